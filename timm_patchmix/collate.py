@@ -1,0 +1,79 @@
+"""FastCollatePatchMix: PatchMix applied while collating uint8 images, a drop-in timm ``FastCollateMixup``."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from timm.data import FastCollateMixup
+from torch.utils.data import default_collate
+
+from .grid import GridSpec
+from .mix import PatchMix, PatchMixParams
+
+__all__ = ['FastCollatePatchMix']
+
+
+class FastCollatePatchMix(FastCollateMixup):
+    """Collate ``[(uint8 CHW image, label), ...]`` into ``(uint8 [B, C, H, W], packed target)`` with PatchMix.
+
+    Pass it as ``collate_fn`` to timm's ``create_loader``; ``PrefetchLoader.mixup_enabled`` switches mixing on
+    and off as it does for ``FastCollateMixup``. For the same params, pixels and targets equal those of
+    :class:`~timm_patchmix.PatchMix` applied to the same uint8 batch. Arguments are those of ``PatchMix``.
+    """
+
+    def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
+                 label_smoothing: float = 0.0, num_classes: Optional[int] = None):
+        self.mixer = PatchMix(grid=grid, alpha=alpha, prob=prob, mode=mode, label_smoothing=label_smoothing,
+                              num_classes=num_classes, inplace=True)
+        # timm's attributes, kept so code that inspects a FastCollateMixup sees consistent values
+        super().__init__(mixup_alpha=0.0, cutmix_alpha=0.0, prob=prob, mode=mode,
+                         label_smoothing=label_smoothing, num_classes=num_classes)
+
+    @property
+    def mixup_enabled(self) -> bool:
+        return self.mixer.mixup_enabled
+
+    @mixup_enabled.setter
+    def mixup_enabled(self, value: bool) -> None:
+        self.mixer.mixup_enabled = bool(value)
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        return self.mixer.grid
+
+    def sample(self, batch_size: int, *, generator: Optional[torch.Generator] = None) -> PatchMixParams:
+        """Draw params for a batch of ``batch_size`` (see ``PatchMix.sample``)."""
+        return self.mixer.sample(batch_size, generator=generator)
+
+    @staticmethod
+    def stack(batch: Sequence[Tuple[object, object]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Copy the images of ``batch`` once into a new uint8 ``[B, C, H, W]`` tensor; collate the labels."""
+        if len(batch) == 0:
+            raise ValueError('cannot collate an empty batch')
+        first = batch[0][0]
+        shape = tuple(first.shape)
+        if len(shape) != 3:
+            raise ValueError(f'collate expects CHW images, got an image of shape {list(shape)}')
+        out = torch.empty((len(batch), *shape), dtype=torch.uint8)
+        for i, (img, _) in enumerate(batch):
+            t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f'collate expects numpy arrays or tensors, got {type(img).__name__} at index {i}')
+            if t.dtype != torch.uint8:
+                raise ValueError(f'collate expects uint8 images, got {t.dtype} at index {i}')
+            if tuple(t.shape) != shape:
+                raise ValueError(f'image {i} has shape {list(t.shape)}, image 0 has {list(shape)}')
+            out[i].copy_(t)
+        target = default_collate([b[1] for b in batch])
+        if not isinstance(target, torch.Tensor):
+            target = torch.as_tensor(target)
+        return out, target
+
+    def apply(self, batch: Sequence[Tuple[object, object]], params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Collate ``batch`` and mix it with ``params``."""
+        images, target = self.stack(batch)
+        return self.mixer.apply(images, target, params)
+
+    def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(batch, self.sample(len(batch)))

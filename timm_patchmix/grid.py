@@ -1,0 +1,69 @@
+"""Patch-grid geometry shared by the mixer, the collate-mixer, the patch head and the search.
+
+A grid of ``rows x cols`` cells over an ``H x W`` plane has row boundaries ``floor(k * H / rows)`` for
+``k = 0..rows`` and column boundaries ``floor(k * W / cols)``. Every component that needs to know where a
+cell starts and ends calls :func:`cell_bounds` (or :func:`grid_bounds`), so pixels of the mixer and regions of
+the patch head can never disagree.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence, Tuple, Union
+
+import torch
+
+GridSpec = Union[int, Sequence[int]]
+
+__all__ = ['GridSpec', 'to_grid', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas']
+
+
+def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
+    """Normalise an int ``P`` or a ``(rows, cols)`` pair to ``(rows, cols)``; raise ``ValueError`` if invalid."""
+    if isinstance(grid, bool):
+        raise ValueError(f'{name} must be an int or a (rows, cols) pair, got {grid!r}')
+    if isinstance(grid, int):
+        rows = cols = grid
+    else:
+        try:
+            rows, cols = (int(v) for v in grid)
+        except (TypeError, ValueError):
+            raise ValueError(f'{name} must be an int or a (rows, cols) pair, got {grid!r}') from None
+        if any(isinstance(v, bool) or int(v) != v for v in grid):
+            raise ValueError(f'{name} must hold integers, got {grid!r}')
+    if rows < 1 or cols < 1:
+        raise ValueError(f'{name} must be at least 1x1, got {rows}x{cols}')
+    return rows, cols
+
+
+@lru_cache(maxsize=256)
+def cell_bounds(size: int, parts: int) -> Tuple[int, ...]:
+    """Boundaries ``(b_0=0, ..., b_parts=size)`` with ``b_k = floor(k * size / parts)``.
+
+    Cell ``k`` spans ``[b_k, b_{k+1})``. Requires ``1 <= parts <= size`` so that every cell is non-empty.
+    """
+    if parts < 1 or size < parts:
+        raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
+    return tuple((k * size) // parts for k in range(parts + 1))
+
+
+def check_grid_fits(height: int, width: int, rows: int, cols: int, what: str = 'image') -> None:
+    """Raise a ``ValueError`` naming the sizes when a ``rows x cols`` grid does not fit an ``H x W`` plane."""
+    if rows > height or cols > width:
+        raise ValueError(
+            f'grid {rows}x{cols} does not fit a {what} of {height}x{width}: '
+            f'each of the {rows}x{cols} cells needs at least one pixel')
+
+
+def grid_bounds(height: int, width: int, grid: GridSpec) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Row and column boundaries of ``grid`` over an ``H x W`` plane."""
+    rows, cols = to_grid(grid)
+    check_grid_fits(height, width, rows, cols)
+    return cell_bounds(height, rows), cell_bounds(width, cols)
+
+
+def cell_areas(height: int, width: int, grid: GridSpec, device=None) -> torch.Tensor:
+    """Pixel count of every cell as a float64 tensor ``[rows, cols]``; sums to ``H * W``."""
+    rb, cb = grid_bounds(height, width, grid)
+    h = torch.tensor([rb[k + 1] - rb[k] for k in range(len(rb) - 1)], dtype=torch.float64, device=device)
+    w = torch.tensor([cb[k + 1] - cb[k] for k in range(len(cb) - 1)], dtype=torch.float64, device=device)
+    return h[:, None] * w[None, :]

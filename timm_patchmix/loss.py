@@ -1,0 +1,95 @@
+"""PatchMixLoss: the image-level and patch-level objective of PatchMix (equation 4 of the paper)."""
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .mix import is_packed_target, soft_target, split_target
+
+__all__ = ['PatchMixLoss', 'soft_cross_entropy']
+
+ModelOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``-sum(target * log_softmax(logits))`` over the last dim, computed in float32; no reduction."""
+    return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+class PatchMixLoss(nn.Module):
+    """L_T = (L_O + w * L_P / P^2) / 2 for a patch-head model; L_O alone for a plain classifier.
+
+    L_O is the soft cross-entropy of the image logits ``[B, C]`` against the mixed image target, and L_P the sum
+    over the ``P^2 = rows*cols`` cells of the soft cross-entropy of the patch logits ``[B, rows*cols, C]`` against
+    each cell's source label; both are averaged over the batch.
+
+    Targets may be a packed PatchMix target, a soft ``[B, C]`` target (image loss only) or class indices ``[B]``
+    (unmixed: cross-entropy, and every cell's target is the image label).
+
+    Args:
+        image_loss: include L_O.
+        patch_loss: include L_P. With only one of the two on, the loss is that term alone (L_O, or w * L_P / P^2).
+        patch_weight: ``w``, the weight of the patch term.
+    """
+
+    def __init__(self, image_loss: bool = True, patch_loss: bool = True, patch_weight: float = 1.0):
+        super().__init__()
+        if not (image_loss or patch_loss):
+            raise ValueError('PatchMixLoss needs image_loss or patch_loss (or both) switched on')
+        if patch_weight < 0:
+            raise ValueError(f'patch_weight must be >= 0, got {patch_weight!r}')
+        self.image_loss = image_loss
+        self.patch_loss = patch_loss
+        self.patch_weight = float(patch_weight)
+
+    def extra_repr(self) -> str:
+        return f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}'
+
+    def forward(self, output: ModelOutput, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, (tuple, list)):
+            if len(output) != 2:
+                raise ValueError(f'expected (logits, patch_logits), got a sequence of {len(output)}')
+            logits, patch_logits = output
+        else:
+            logits, patch_logits = output, None
+        if logits.ndim != 2:
+            raise ValueError(f'logits must be [B, C], got {list(logits.shape)}')
+        b, c = logits.shape
+        if patch_logits is not None and (patch_logits.ndim != 3 or patch_logits.shape[0] != b
+                                         or patch_logits.shape[2] != c):
+            raise ValueError(f'patch_logits must be [B, cells, C] = [{b}, cells, {c}], got {list(patch_logits.shape)}')
+        if target.shape[0] != b:
+            raise ValueError(f'target batch size {target.shape[0]} does not match the logits batch size {b}')
+
+        use_patch = patch_logits is not None and self.patch_loss
+        if target.ndim == 1:
+            image_t = soft_target(target, c, device=logits.device)
+            patch_t = image_t.unsqueeze(1) if use_patch else None
+        elif target.ndim == 2 and target.shape[1] == c:
+            if use_patch:
+                raise ValueError('a soft [B, C] target has no per-cell labels for the patch loss; pass a packed '
+                                 'PatchMix target or class indices, or use PatchMixLoss(patch_loss=False)')
+            image_t, patch_t = target.float(), None
+        else:
+            ncell = patch_logits.shape[1] if patch_logits is not None else None
+            if ncell is not None and not is_packed_target(target, c, ncell):
+                raise ValueError(f'target of shape {list(target.shape)} is neither class indices, a [B, {c}] '
+                                 f'soft target, nor a packed target for {c} classes and {ncell} cells')
+            image_t, patch_t = split_target(target)
+            if image_t.shape[1] != c:
+                raise ValueError(f'packed target holds {image_t.shape[1]} classes but the logits have {c}')
+
+        if not use_patch:
+            return soft_cross_entropy(logits, image_t).mean()
+        ncell = patch_logits.shape[1]
+        if patch_t.shape[1] not in (1, ncell):
+            raise ValueError(f'packed target has {patch_t.shape[1]} cells but the model gives {ncell} patch logits')
+        l_p = soft_cross_entropy(patch_logits, patch_t).sum(1).mean()
+        patch_term = self.patch_weight * l_p / ncell
+        if not self.image_loss:
+            return patch_term
+        l_o = soft_cross_entropy(logits, image_t).mean()
+        return (l_o + patch_term) / 2

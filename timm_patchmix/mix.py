@@ -1,0 +1,309 @@
+"""PatchMix: grid-mask mixing of image pairs with image- and patch-level targets.
+
+Parameters are sampled apart from their application (``PatchMix.sample`` then ``PatchMix.apply``), so a run can
+be replayed exactly and the guided mixer can apply masks of its own through the same code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .grid import GridSpec, cell_areas, cell_bounds, check_grid_fits, to_grid
+
+__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'MIX_MODES']
+
+MIX_MODES = ('elem', 'pair', 'batch')
+
+# Packed target layout, one float32 row per sample:
+#   [rows, cols, lam, y_self (C), y_partner (C), keep mask (rows*cols, 1.0 = cell from the sample itself)]
+# The header lets ``split_target`` check the grid and recover C; the image and patch targets are rebuilt from
+# two label rows instead of storing rows*cols of them, so the tensor stays 2C + rows*cols + 3 wide.
+_HEADER = 3
+
+
+@dataclass
+class PatchMixParams:
+    """Sampled mixing parameters for one batch.
+
+    Attributes:
+        partner: LongTensor ``[B]``; sample ``i`` takes its masked-out cells from sample ``partner[i]``.
+        mask: BoolTensor ``[B, rows, cols]``; True means the cell is kept from the sample itself.
+    """
+    partner: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.partner.shape[0])
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        return int(self.mask.shape[1]), int(self.mask.shape[2])
+
+    def to(self, device) -> 'PatchMixParams':
+        return PatchMixParams(self.partner.to(device), self.mask.to(device))
+
+    @classmethod
+    def identity(cls, batch_size: int, grid: GridSpec, device=None) -> 'PatchMixParams':
+        """Params that leave every sample unmixed."""
+        rows, cols = to_grid(grid)
+        return cls(torch.arange(batch_size, device=device),
+                   torch.ones(batch_size, rows, cols, dtype=torch.bool, device=device))
+
+    def validate(self, batch_size: int) -> None:
+        """Raise ``ValueError`` unless these params describe a batch of ``batch_size``."""
+        if self.partner.ndim != 1 or self.partner.shape[0] != batch_size:
+            raise ValueError(f'params.partner must have shape [{batch_size}], got {list(self.partner.shape)}')
+        if self.partner.dtype != torch.long:
+            raise ValueError(f'params.partner must be int64, got {self.partner.dtype}')
+        if self.mask.ndim != 3 or self.mask.shape[0] != batch_size:
+            raise ValueError(f'params.mask must have shape [{batch_size}, rows, cols], got {list(self.mask.shape)}')
+        if self.mask.dtype != torch.bool:
+            raise ValueError(f'params.mask must be bool, got {self.mask.dtype}')
+        if batch_size and (int(self.partner.min()) < 0 or int(self.partner.max()) >= batch_size):
+            raise ValueError(f'params.partner holds indices outside [0, {batch_size})')
+
+
+def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
+                batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+    """Class indices ``[B]`` or one-hot/soft targets ``[B, C]`` as smoothed float32 rows ``[B, C]``.
+
+    Smoothing maps a row ``y`` to ``y * (1 - s) + s / C`` (for indices: on ``1 - s + s/C``, off ``s/C``).
+    """
+    if not isinstance(target, torch.Tensor):
+        target = torch.as_tensor(target)
+    if batch_size is not None and (target.ndim == 0 or target.shape[0] != batch_size):
+        got = 'a scalar' if target.ndim == 0 else f'{target.shape[0]}'
+        raise ValueError(f'target batch size {got} does not match the image batch size {batch_size}')
+    if target.ndim == 1:
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            raise ValueError(f'1-D targets must be integer class indices, got dtype {target.dtype}')
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
+            raise ValueError(
+                f'target labels must lie in [0, {num_classes}) for num_classes={num_classes}, '
+                f'got min {int(target.min())} and max {int(target.max())}')
+        off = smoothing / num_classes
+        out = torch.full((target.shape[0], num_classes), off, dtype=torch.float32, device=device)
+        out.scatter_(1, target.to(device=device, dtype=torch.long).view(-1, 1), 1.0 - smoothing + off)
+        return out
+    if target.ndim == 2:
+        if target.shape[1] != num_classes:
+            raise ValueError(
+                f'target has {target.shape[1]} classes (shape {list(target.shape)}) but num_classes={num_classes}')
+        out = target.to(device=device, dtype=torch.float32)
+        if smoothing:
+            out = out * (1.0 - smoothing) + smoothing / num_classes
+        return out
+    raise ValueError(f'target must be class indices [B] or a [B, C] soft target, got shape {list(target.shape)}')
+
+
+def pack_target(y_self: torch.Tensor, y_partner: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Pack label rows ``[B, C]``, ``lam [B]`` and keep mask ``[B, rows, cols]`` into one float32 tensor."""
+    b, rows, cols = mask.shape
+    header = torch.tensor([rows, cols], dtype=torch.float32, device=y_self.device).expand(b, 2)
+    return torch.cat([header, lam.to(torch.float32).view(b, 1), y_self, y_partner,
+                      mask.reshape(b, rows * cols).to(device=y_self.device, dtype=torch.float32)], dim=1)
+
+
+def _unpack(packed: torch.Tensor, grid: Optional[GridSpec] = None):
+    if not isinstance(packed, torch.Tensor) or packed.ndim != 2 or packed.shape[1] < _HEADER + 3:
+        shape = list(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise ValueError(f'expected a packed PatchMix target [B, 2C + rows*cols + 3], got {shape}')
+    if packed.shape[0] == 0:
+        if grid is None:
+            raise ValueError('cannot read the grid of an empty packed target; pass grid')
+        rows, cols = to_grid(grid)
+    else:
+        rows, cols = int(packed[0, 0]), int(packed[0, 1])
+        if grid is not None and to_grid(grid) != (rows, cols):
+            g = to_grid(grid)
+            raise ValueError(f'packed target was built for a {rows}x{cols} grid, not {g[0]}x{g[1]}')
+    ncell = rows * cols
+    width = packed.shape[1] - _HEADER - ncell
+    if rows < 1 or cols < 1 or width < 2 or width % 2:
+        raise ValueError(f'tensor of shape {list(packed.shape)} is not a packed PatchMix target '
+                         f'(header says grid {rows}x{cols})')
+    c = width // 2
+    packed = packed.float()
+    lam = packed[:, 2:3]
+    y_self = packed[:, _HEADER:_HEADER + c]
+    y_partner = packed[:, _HEADER + c:_HEADER + 2 * c]
+    keep = packed[:, _HEADER + 2 * c:] > 0.5
+    return (rows, cols), lam, y_self, y_partner, keep
+
+
+def split_target(packed: torch.Tensor, grid: Optional[GridSpec] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split a packed target into ``(image_target [B, C], patch_target [B, rows*cols, C])``, both float32.
+
+    ``grid``, when given, is checked against the grid recorded in the packed tensor.
+    """
+    _, lam, y_self, y_partner, keep = _unpack(packed, grid)
+    image = lam * y_self + (1.0 - lam) * y_partner
+    patch = torch.where(keep.unsqueeze(-1), y_self.unsqueeze(1), y_partner.unsqueeze(1))
+    return image, patch
+
+
+def is_packed_target(target: torch.Tensor, num_classes: int, num_cells: int) -> bool:
+    """Whether ``target`` has the width of a packed target for ``num_classes`` and ``num_cells``."""
+    return target.ndim == 2 and target.shape[1] == _HEADER + 2 * num_classes + num_cells
+
+
+def _random_cycle(n: int, generator: Optional[torch.Generator], device) -> torch.Tensor:
+    """Partner indices along one random cycle over the batch: a permutation with no fixed point for n >= 2."""
+    order = torch.randperm(n, generator=generator, device=device)
+    partner = torch.empty_like(order)
+    partner[order] = order.roll(-1)
+    return partner
+
+
+def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Overwrite, in place, every cell of ``x`` whose mask entry is False with that cell of ``x[partner]``.
+
+    Only changed cells move. Each cell is read out of ``x`` before it is written, and cells are disjoint, so
+    chains (i takes from j while j takes from k) see original pixels.
+    """
+    b, _, h, w = x.shape
+    rows, cols = mask.shape[1:]
+    rb, cb = cell_bounds(h, rows), cell_bounds(w, cols)
+    partner_cpu = partner.cpu()
+    changed = (~mask.cpu()) & (partner_cpu != torch.arange(b)).view(b, 1, 1)
+    if not bool(changed.any()):
+        return x
+    flat = changed.view(b, rows * cols)
+    for k in flat.any(0).nonzero().flatten().tolist():
+        r, c = divmod(k, cols)
+        dst = flat[:, k].nonzero().flatten()
+        src = partner_cpu[dst]
+        if x.device.type != 'cpu':
+            dst, src = dst.to(x.device, non_blocking=True), src.to(x.device, non_blocking=True)
+        region = x[:, :, rb[r]:rb[r + 1], cb[c]:cb[c + 1]]
+        region.index_copy_(0, dst, region.index_select(0, src))
+    return x
+
+
+class PatchMix:
+    """Random PatchMix, used where timm's ``Mixup`` is: ``x, target = mixer(x, target)``.
+
+    Each image is split into a ``rows x cols`` grid; every cell comes from the image itself or from a partner
+    image, chosen by a binary mask. The returned target is one packed float32 tensor (see ``split_target``)
+    holding the image target ``lam * y_i + (1 - lam) * y_partner`` (``lam`` = fraction of pixels kept, from the
+    mask actually used) and the per-cell targets.
+
+    Args:
+        grid: ``P`` or ``(rows, cols)``.
+        alpha: Beta(alpha, alpha) parameter of each mask entry, rounded to {0, 1}.
+        prob: probability that a sample (``elem``), a pair (``pair``) or the batch (``batch``) is mixed.
+        mode: ``'elem'`` (own mask and partner per sample), ``'pair'`` (partners swap the same cells, as timm's
+            pair mode) or ``'batch'`` (one mask for the whole batch).
+        label_smoothing: smoothing applied alike to image and patch targets.
+        num_classes: number of classes of the targets.
+        inplace: mix ``x`` in place and return it (as timm's ``Mixup`` does). With False, ``x`` is left intact.
+    """
+
+    def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
+                 label_smoothing: float = 0.0, num_classes: Optional[int] = None, inplace: bool = True):
+        self.grid = to_grid(grid)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (alpha > 0 and math.isfinite(alpha)):
+            raise ValueError(f'alpha must be a finite number > 0, got {alpha!r}')
+        if not (0.0 <= prob <= 1.0):
+            raise ValueError(f'prob must lie in [0, 1], got {prob!r}')
+        if mode not in MIX_MODES:
+            raise ValueError(f'mode must be one of {MIX_MODES}, got {mode!r}')
+        if not (0.0 <= label_smoothing < 1.0):
+            raise ValueError(f'label_smoothing must lie in [0, 1), got {label_smoothing!r}')
+        if num_classes is None or isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f'num_classes must be a positive int, got {num_classes!r}')
+        self.alpha = float(alpha)
+        self.prob = float(prob)
+        self.mode = mode
+        self.label_smoothing = float(label_smoothing)
+        self.num_classes = num_classes
+        self.inplace = inplace
+        self.mixup_enabled = True  # timm's train loop switches mixing off through this flag
+
+    @property
+    def num_cells(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def __repr__(self) -> str:
+        return (f'{type(self).__name__}(grid={self.grid}, alpha={self.alpha}, prob={self.prob}, mode={self.mode!r}, '
+                f'label_smoothing={self.label_smoothing}, num_classes={self.num_classes})')
+
+    def _mask_bits(self, shape, generator) -> torch.Tensor:
+        # round(Beta(a, a)) is 1 exactly when the draw exceeds 1/2. Beta(a, a) is symmetric about 1/2, so that
+        # event has probability 1/2 for every a > 0: the rounded entry is a fair coin, drawn here directly so that
+        # a torch.Generator controls it.
+        dev = generator.device if generator is not None else 'cpu'
+        return torch.rand(shape, generator=generator, device=dev) < 0.5
+
+    def _coin(self, n: int, generator) -> torch.Tensor:
+        dev = generator.device if generator is not None else 'cpu'
+        if self.prob >= 1.0:
+            return torch.ones(n, dtype=torch.bool, device=dev)
+        return torch.rand(n, generator=generator, device=dev) < self.prob
+
+    def sample(self, batch_size: int, *, generator: Optional[torch.Generator] = None,
+               device=None) -> PatchMixParams:
+        """Draw partners and keep masks for a batch of ``batch_size``."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f'batch_size must be a non-negative int, got {batch_size!r}')
+        rows, cols = self.grid
+        gdev = generator.device if generator is not None else 'cpu'
+        if not self.mixup_enabled or batch_size == 0:
+            return PatchMixParams.identity(batch_size, self.grid, device=device)
+        if self.mode == 'elem':
+            partner = _random_cycle(batch_size, generator, gdev)
+            mask = self._mask_bits((batch_size, rows, cols), generator)
+            mask |= ~self._coin(batch_size, generator).view(-1, 1, 1)
+        elif self.mode == 'batch':
+            partner = _random_cycle(batch_size, generator, gdev)
+            one = self._mask_bits((1, rows, cols), generator) | ~self._coin(1, generator).view(1, 1, 1)
+            mask = one.expand(batch_size, rows, cols).clone()
+        else:  # pair: samples a and b of a pair swap the same cells; an odd one out stays unmixed
+            order = torch.randperm(batch_size, generator=generator, device=gdev)
+            npair = batch_size // 2
+            a, b = order[0:2 * npair:2], order[1:2 * npair:2]
+            partner = torch.arange(batch_size, device=gdev)
+            partner[a], partner[b] = b, a
+            pair_mask = self._mask_bits((npair, rows, cols), generator) | ~self._coin(npair, generator).view(-1, 1, 1)
+            mask = torch.ones(batch_size, rows, cols, dtype=torch.bool, device=gdev)
+            mask[a], mask[b] = pair_mask, pair_mask
+        # a sample partnered with itself (batch of one, odd one out) is unmixed, so its lam is 1
+        mask |= (partner == torch.arange(batch_size, device=gdev)).view(-1, 1, 1)
+        return PatchMixParams(partner.to(device), mask.to(device))
+
+    def _check_image(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f'x must be a 4-D image batch [B, C, H, W], got {shape}')
+        check_grid_fits(x.shape[2], x.shape[3], *self.grid)
+
+    def apply(self, x: torch.Tensor, target: torch.Tensor, params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Mix ``x [B, C, H, W]`` with ``params`` and return ``(x_mixed, packed_target)``.
+
+        ``target`` is class indices ``[B]`` or a one-hot/soft ``[B, num_classes]``. The packed target is float32
+        on ``x``'s device whatever the image dtype.
+        """
+        self._check_image(x)
+        b, _, h, w = x.shape
+        params.validate(b)
+        if params.grid != self.grid:
+            raise ValueError(f'params are for a {params.grid[0]}x{params.grid[1]} grid but this mixer uses '
+                             f'{self.grid[0]}x{self.grid[1]}')
+        y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=x.device)
+        partner = params.partner.to(x.device)
+        mask = params.mask.to(x.device)
+        out = x if self.inplace else x.clone()
+        mix_cells_(out, partner, mask)
+        areas = cell_areas(h, w, self.grid, device=x.device)
+        lam = (mask.to(torch.float64) * areas).sum((1, 2)) / (h * w)
+        return out, pack_target(y, y[partner], lam, mask)
+
+    def __call__(self, x: torch.Tensor, target: torch.Tensor,
+                 generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sample params for ``x``'s batch, then apply them."""
+        self._check_image(x)
+        return self.apply(x, target, self.sample(x.shape[0], generator=generator, device=x.device))
