@@ -25,7 +25,8 @@ class FastCollatePatchMix(FastCollateMixup):
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
                  label_smoothing: float = 0.0, num_classes: Optional[int] = None):
         self.mixer = PatchMix(grid=grid, alpha=alpha, prob=prob, mode=mode, label_smoothing=label_smoothing,
-                              num_classes=num_classes, inplace=True)
+                              num_classes=num_classes)
+        self._staging: Optional[torch.Tensor] = None  # never leaves this object, so it is reused freely
         # timm's attributes, kept so code that inspects a FastCollateMixup sees consistent values
         super().__init__(mixup_alpha=0.0, cutmix_alpha=0.0, prob=prob, mode=mode,
                          label_smoothing=label_smoothing, num_classes=num_classes)
@@ -46,16 +47,19 @@ class FastCollatePatchMix(FastCollateMixup):
         """Draw params for a batch of ``batch_size`` (see ``PatchMix.sample``)."""
         return self.mixer.sample(batch_size, generator=generator)
 
-    @staticmethod
-    def stack(batch: Sequence[Tuple[object, object]]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Copy the images of ``batch`` once into a new uint8 ``[B, C, H, W]`` tensor; collate the labels."""
+    def stack(self, batch: Sequence[Tuple[object, object]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Copy the images of ``batch`` into a uint8 ``[B, C, H, W]`` staging tensor owned by this collate-mixer
+        (valid until its next call); collate the labels."""
         if len(batch) == 0:
             raise ValueError('cannot collate an empty batch')
         first = batch[0][0]
         shape = tuple(first.shape)
         if len(shape) != 3:
             raise ValueError(f'collate expects CHW images, got an image of shape {list(shape)}')
-        out = torch.empty((len(batch), *shape), dtype=torch.uint8)
+        size = (len(batch), *shape)
+        if self._staging is None or tuple(self._staging.shape) != size:
+            self._staging = torch.empty(size, dtype=torch.uint8)
+        out = self._staging
         for i, (img, _) in enumerate(batch):
             t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
             if not isinstance(t, torch.Tensor):
@@ -71,7 +75,7 @@ class FastCollatePatchMix(FastCollateMixup):
         return out, target
 
     def apply(self, batch: Sequence[Tuple[object, object]], params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Collate ``batch`` and mix it with ``params``."""
+        """Collate ``batch`` and mix it with ``params`` into a new uint8 batch."""
         images, target = self.stack(batch)
         return self.mixer.apply(images, target, params)
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ds = PatchShapes('train', num_samples=max(args.num, 2) * 4)
     batch = torch.stack([ds[i][0] for i in range(args.num)])
     labels = torch.tensor([ds[i][1] for i in range(args.num)])
-    mixer = PatchMix(grid=args.grid, mode=args.mode, num_classes=len(ds.classes), inplace=False)
+    mixer = PatchMix(grid=args.grid, mode=args.mode, num_classes=len(ds.classes))
     gen = torch.Generator().manual_seed(args.seed)
     params = mixer.sample(args.num, generator=gen)
     mixed, packed = mixer.apply(batch, labels, params)

@@ -13,7 +13,7 @@ import torch
 
 from .grid import GridSpec, cell_areas, cell_bounds, check_grid_fits, to_grid
 
-__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'MIX_MODES']
+__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_into', 'MIX_MODES']
 
 MIX_MODES = ('elem', 'pair', 'batch')
 
@@ -71,7 +71,7 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
                 batch_size: Optional[int] = None, device=None) -> torch.Tensor:
     """Class indices ``[B]`` or one-hot/soft targets ``[B, C]`` as smoothed float32 rows ``[B, C]``.
 
-    Smoothing maps a row ``y`` to ``y * (1 - s) + s / C`` (for indices: on ``1 - s + s/C``, off ``s/C``).
+    Smoothing maps a row ``y`` (for indices, the one-hot row) to ``y * (1 - s) + s / C``.
     """
     if not isinstance(target, torch.Tensor):
         target = torch.as_tensor(target)
@@ -85,19 +85,19 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
             raise ValueError(
                 f'target labels must lie in [0, {num_classes}) for num_classes={num_classes}, '
                 f'got min {int(target.min())} and max {int(target.max())}')
-        off = smoothing / num_classes
-        out = torch.full((target.shape[0], num_classes), off, dtype=torch.float32, device=device)
-        out.scatter_(1, target.to(device=device, dtype=torch.long).view(-1, 1), 1.0 - smoothing + off)
-        return out
-    if target.ndim == 2:
+        out = torch.zeros((target.shape[0], num_classes), dtype=torch.float32, device=device)
+        out.scatter_(1, target.to(device=device, dtype=torch.long).view(-1, 1), 1.0)
+    elif target.ndim == 2:
         if target.shape[1] != num_classes:
             raise ValueError(
                 f'target has {target.shape[1]} classes (shape {list(target.shape)}) but num_classes={num_classes}')
         out = target.to(device=device, dtype=torch.float32)
-        if smoothing:
-            out = out * (1.0 - smoothing) + smoothing / num_classes
-        return out
-    raise ValueError(f'target must be class indices [B] or a [B, C] soft target, got shape {list(target.shape)}')
+    else:
+        raise ValueError(f'target must be class indices [B] or a [B, C] soft target, got shape {list(target.shape)}')
+    # one formula for indices and soft rows, so a label and its one-hot row smooth to identical floats
+    if smoothing:
+        out = out * (1.0 - smoothing) + smoothing / num_classes
+    return out
 
 
 def pack_target(y_self: torch.Tensor, y_partner: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -159,29 +159,75 @@ def _random_cycle(n: int, generator: Optional[torch.Generator], device) -> torch
     return partner
 
 
-def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Overwrite, in place, every cell of ``x`` whose mask entry is False with that cell of ``x[partner]``.
+def _storage_users(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
-    Only changed cells move. Each cell is read out of ``x`` before it is written, and cells are disjoint, so
-    chains (i takes from j while j takes from k) see original pixels.
+
+class BufferPool:
+    """Recycles output tensors once nothing outside the pool refers to their memory.
+
+    Allocating a fresh batch-sized tensor on the CPU costs page faults worth several copies of the batch, so
+    outputs come from here. A buffer is handed out as an alias; any alias, view, autograd reference or numpy
+    array still alive keeps the storage's use count above the pool's own, and such a buffer is never reused.
     """
+
+    def __init__(self, capacity: int = 2):
+        self.capacity = capacity
+        self._bufs = []  # (tensor, storage use count when only the pool holds it)
+        self._can_count = hasattr(torch._C, '_storage_Use_Count')
+
+    def get(self, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+        """An uninitialised tensor with ``like``'s device and memory format, free for the caller to keep."""
+        shape = tuple(like.shape) if shape is None else tuple(shape)
+        dtype = like.dtype if dtype is None else dtype
+        fmt = torch.channels_last if (len(shape) == 4 and like.ndim == 4 and like.shape[1] > 1
+                                      and like.is_contiguous(memory_format=torch.channels_last)
+                                      and not like.is_contiguous()) else torch.contiguous_format
+        if not self._can_count:
+            return torch.empty(shape, dtype=dtype, device=like.device, memory_format=fmt)
+        for buf, alone in self._bufs:
+            if (tuple(buf.shape) == shape and buf.dtype == dtype and buf.device == like.device
+                    and buf.is_contiguous(memory_format=fmt) and _storage_users(buf) == alone):
+                return buf.detach()
+        buf = torch.empty(shape, dtype=dtype, device=like.device, memory_format=fmt)
+        self._bufs.append((buf, _storage_users(buf)))
+        del self._bufs[:-self.capacity]
+        return buf.detach()
+
+
+def _wide_view(t: torch.Tensor, col_bounds: Tuple[int, ...]):
+    """Reinterpret rows of ``t`` as 8-, 4- or 2-byte words when every cell edge allows it; copies are bitwise,
+    and wider words mean fewer elements for the strided copy kernels to walk."""
+    if t.stride(3) != 1:
+        return t, col_bounds
+    item = t.element_size()
+    for word, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if word <= item:
+            break
+        if (all((b * item) % word == 0 for b in col_bounds) and (t.stride(0) * item) % word == 0
+                and (t.stride(1) * item) % word == 0 and (t.stride(2) * item) % word == 0
+                and (t.storage_offset() * item) % word == 0):
+            return t.view(dt), tuple(b * item // word for b in col_bounds)
+    return t, col_bounds
+
+
+def mix_cells_into(out: torch.Tensor, x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Write the mix of ``x`` into ``out`` (same shape): cell (r, c) of ``out[i]`` is that cell of ``x[i]`` where
+    ``mask[i, r, c]``, else of ``x[partner[i]]``. One gather per cell, each pixel read and written once."""
     b, _, h, w = x.shape
     rows, cols = mask.shape[1:]
     rb, cb = cell_bounds(h, rows), cell_bounds(w, cols)
-    partner_cpu = partner.cpu()
-    changed = (~mask.cpu()) & (partner_cpu != torch.arange(b)).view(b, 1, 1)
-    if not bool(changed.any()):
-        return x
-    flat = changed.view(b, rows * cols)
-    for k in flat.any(0).nonzero().flatten().tolist():
-        r, c = divmod(k, cols)
-        dst = flat[:, k].nonzero().flatten()
-        src = partner_cpu[dst]
-        if x.device.type != 'cpu':
-            dst, src = dst.to(x.device, non_blocking=True), src.to(x.device, non_blocking=True)
-        region = x[:, :, rb[r]:rb[r + 1], cb[c]:cb[c + 1]]
-        region.index_copy_(0, dst, region.index_select(0, src))
-    return x
+    src = torch.where(mask, torch.arange(b, device=mask.device).view(b, 1, 1), partner.view(b, 1, 1))
+    src = src.permute(1, 2, 0).contiguous()  # [rows, cols, B]: one contiguous index row per cell
+    xv, xcb = _wide_view(x, cb)
+    ov, ocb = _wide_view(out, cb)
+    if xcb != ocb:  # the two layouts allow different words: fall back to elements
+        xv, ov, xcb = x, out, cb
+    for r in range(rows):
+        for c in range(cols):
+            torch.index_select(xv[:, :, rb[r]:rb[r + 1], xcb[c]:xcb[c + 1]], 0, src[r, c],
+                               out=ov[:, :, rb[r]:rb[r + 1], xcb[c]:xcb[c + 1]])
+    return out
 
 
 class PatchMix:
@@ -200,11 +246,13 @@ class PatchMix:
             pair mode) or ``'batch'`` (one mask for the whole batch).
         label_smoothing: smoothing applied alike to image and patch targets.
         num_classes: number of classes of the targets.
-        inplace: mix ``x`` in place and return it (as timm's ``Mixup`` does). With False, ``x`` is left intact.
+
+    ``x`` is never modified. The mixed batch is a new tensor with ``x``'s dtype, device and memory format; its
+    memory is recycled from a small pool once nothing refers to an earlier output any more.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
-                 label_smoothing: float = 0.0, num_classes: Optional[int] = None, inplace: bool = True):
+                 label_smoothing: float = 0.0, num_classes: Optional[int] = None):
         self.grid = to_grid(grid)
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (alpha > 0 and math.isfinite(alpha)):
             raise ValueError(f'alpha must be a finite number > 0, got {alpha!r}')
@@ -221,7 +269,7 @@ class PatchMix:
         self.mode = mode
         self.label_smoothing = float(label_smoothing)
         self.num_classes = num_classes
-        self.inplace = inplace
+        self._pool = BufferPool()
         self.mixup_enabled = True  # timm's train loop switches mixing off through this flag
 
     @property
@@ -296,8 +344,7 @@ class PatchMix:
         y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=x.device)
         partner = params.partner.to(x.device)
         mask = params.mask.to(x.device)
-        out = x if self.inplace else x.clone()
-        mix_cells_(out, partner, mask)
+        out = mix_cells_into(self._pool.get(x), x, partner, mask)
         areas = cell_areas(h, w, self.grid, device=x.device)
         lam = (mask.to(torch.float64) * areas).sum((1, 2)) / (h * w)
         return out, pack_target(y, y[partner], lam, mask)

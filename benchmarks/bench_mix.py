@@ -1,0 +1,116 @@
+"""Mixer speed against its peers, measured in the same run; medians, printed as ratios and saved as JSON.
+
+    python benchmarks/bench_mix.py [--repeats 21] [--device cpu|cuda] [--json benchmarks/results/mix_cpu.json]
+
+Tensor mixer: PatchMix 'elem' on float32 [128, 3, 224, 224] against the copy floor ``buf.copy_(x)`` (one read and one
+write of the batch into a preallocated buffer) and timm ``Mixup(mixup_alpha=0, cutmix_alpha=1)`` in 'batch' and
+'elem' modes. Collate mixer: ``FastCollatePatchMix`` on 256 uint8 [3, 224, 224] images against timm's
+``fast_collate`` and ``FastCollateMixup`` (CutMix, 'elem').
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from timm.data import FastCollateMixup, Mixup
+from timm.data.loader import fast_collate
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
+from timm_patchmix import FastCollatePatchMix, PatchMix  # noqa: E402
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def run(cases: dict, repeats: int, sync) -> dict:
+    """Interleave the cases round-robin so drift on a shared machine hits them alike; return medians in ms."""
+    for fn in cases.values():  # warm-up: allocator, thread pools, lazy init
+        fn()
+        fn()
+    samples = {k: [] for k in cases}
+    for _ in range(repeats):
+        for k, fn in cases.items():
+            samples[k].append(timed(fn, sync) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--repeats', type=int, default=21)
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--batch', type=int, default=128)
+    parser.add_argument('--collate-batch', type=int, default=256)
+    parser.add_argument('--size', type=int, default=224)
+    parser.add_argument('--skip-collate', action='store_true')
+    parser.add_argument('--json', default=None, help='where to save the results (default: print only)')
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    torch.manual_seed(0)
+    n, s = args.batch, args.size
+    x = torch.randn(n, 3, s, s, device=device)
+    y = torch.randint(0, 1000, (n,), device=device)
+    buf = torch.empty_like(x)
+    pm = PatchMix(grid=4, mode='elem', num_classes=1000)
+    cut_batch = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
+    cut_elem = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=1000)
+    tensor = run({
+        'copy_floor': lambda: buf.copy_(x),
+        'patchmix_elem': lambda: pm(x, y),
+        'timm_cutmix_batch': lambda: cut_batch(x, y),
+        'timm_cutmix_elem': lambda: cut_elem(x, y),
+    }, args.repeats, sync)
+    floor = tensor['copy_floor']
+    result = {
+        'device': str(device), 'torch': torch.__version__, 'threads': torch.get_num_threads(),
+        'machine': platform.processor() or platform.machine(), 'repeats': args.repeats,
+        'tensor': {'shape': [n, 3, s, s], 'median_ms': tensor,
+                   'ratio_to_copy_floor': {k: v / floor for k, v in tensor.items()}},
+    }
+    print(f'tensor mixer, float32 {n}x3x{s}x{s} on {device} (median of {args.repeats}):')
+    for k, v in tensor.items():
+        print(f'  {k:20s} {v:8.2f} ms  {v / floor:5.2f}x copy floor')
+
+    if not args.skip_collate:
+        rng = np.random.default_rng(0)
+        m = args.collate_batch
+        imgs = rng.integers(0, 256, (m, 3, s, s), dtype=np.uint8)
+        batch = [(imgs[i], int(rng.integers(0, 1000))) for i in range(m)]
+        fcm = FastCollateMixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=1000)
+        fcp = FastCollatePatchMix(grid=4, mode='elem', num_classes=1000)
+        coll = run({
+            'fast_collate': lambda: fast_collate(batch),
+            'patchmix_collate': lambda: fcp(batch),
+            'timm_cutmix_collate_elem': lambda: fcm(batch),
+        }, args.repeats, lambda: None)
+        base = coll['fast_collate']
+        result['collate'] = {'shape': [m, 3, s, s], 'median_ms': coll,
+                             'ratio_to_fast_collate': {k: v / base for k, v in coll.items()}}
+        print(f'collate mixer, {m} uint8 3x{s}x{s} images (median of {args.repeats}):')
+        for k, v in coll.items():
+            print(f'  {k:26s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
+
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        tmp = args.json + '.tmp'
+        with open(tmp, 'w') as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.json)
+        print(f'saved {args.json}')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,76 @@
+"""FastCollatePatchMix equals the tensor mixer and plugs into timm's loader."""
+import numpy as np
+import pytest
+import torch
+from timm.data import FastCollateMixup, create_loader
+
+from timm_patchmix import FastCollatePatchMix, PatchMix, split_target
+from timm_patchmix.data import PatchShapes
+
+
+def make_batch(n, shape=(3, 10, 13), as_numpy=True, seed=0):
+    rng = np.random.default_rng(seed)
+    imgs = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+    labels = rng.integers(0, 7, n).tolist()
+    return [(imgs[i] if as_numpy else torch.from_numpy(imgs[i].copy()), labels[i]) for i in range(n)], imgs, labels
+
+
+@pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
+@pytest.mark.parametrize('as_numpy', [True, False])
+@pytest.mark.parametrize('n', [1, 5, 8])
+def test_collate_equals_tensor_path(mode, as_numpy, n):
+    batch, imgs, labels = make_batch(n, as_numpy=as_numpy)
+    collate = FastCollatePatchMix(grid=(4, 3), mode=mode, label_smoothing=0.1, num_classes=7)
+    assert isinstance(collate, FastCollateMixup)
+    params = collate.sample(n, generator=torch.Generator().manual_seed(n))
+    images, packed = collate.apply(batch, params)
+    assert images.dtype == torch.uint8 and images.shape == (n, 3, 10, 13)
+
+    mixer = PatchMix(grid=(4, 3), mode=mode, label_smoothing=0.1, num_classes=7)
+    x = torch.from_numpy(imgs.copy())
+    ref_images, ref_packed = mixer.apply(x, torch.tensor(labels), params)
+    assert torch.equal(images, ref_images)
+    assert torch.equal(packed, ref_packed)
+    # the source arrays are never written
+    assert np.array_equal(np.stack([np.asarray(b[0]) for b in batch]), imgs)
+
+
+def test_collate_call_and_disable():
+    batch, imgs, labels = make_batch(6)
+    collate = FastCollatePatchMix(num_classes=7)
+    images, packed = collate(batch)
+    image_t, patch_t = split_target(packed, 4)
+    assert image_t.shape == (6, 7) and patch_t.shape == (6, 16, 7)
+    torch.testing.assert_close(image_t.sum(1), torch.ones(6))
+    collate.mixup_enabled = False
+    images, packed = collate(batch)
+    assert torch.equal(images, torch.from_numpy(imgs))
+    assert torch.equal(split_target(packed)[0].argmax(1), torch.tensor(labels))
+
+
+def test_collate_errors():
+    collate = FastCollatePatchMix(num_classes=7)
+    with pytest.raises(ValueError, match='uint8'):
+        collate([(np.zeros((3, 8, 8), np.float32), 0)])
+    with pytest.raises(ValueError, match='image 1 has shape'):
+        collate([(np.zeros((3, 8, 8), np.uint8), 0), (np.zeros((3, 9, 8), np.uint8), 1)])
+    with pytest.raises(ValueError, match='labels must lie'):
+        collate([(np.zeros((3, 8, 8), np.uint8), 9)])
+    with pytest.raises(ValueError, match='does not fit'):
+        collate([(np.zeros((3, 2, 8), np.uint8), 1)])
+
+
+def test_timm_create_loader_and_prefetcher_switch():
+    ds = PatchShapes('train', num_samples=16)
+    collate = FastCollatePatchMix(num_classes=ds.num_classes)
+    loader = create_loader(ds, input_size=(3, 32, 32), batch_size=8, is_training=True, collate_fn=collate,
+                           device=torch.device('cpu'), num_workers=0, persistent_workers=False, hflip=0.0,
+                           color_jitter=0.0, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    x, packed = next(iter(loader))
+    assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32
+    image_t, _ = split_target(packed)
+    assert (image_t.max(1).values < 1).any(), 'some samples are mixed'
+    loader.mixup_enabled = False
+    assert collate.mixup_enabled is False
+    _, packed = next(iter(loader))
+    assert (split_target(packed)[0].max(1).values == 1).all()

@@ -1,0 +1,83 @@
+"""PatchMixLoss against hand-computed values."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from timm_patchmix import PatchMix, PatchMixLoss, PatchMixParams
+
+
+def log_softmax(v):
+    m = max(v)
+    z = math.log(sum(math.exp(a - m) for a in v)) + m
+    return [a - z for a in v]
+
+
+def ce(logits, target):
+    return -sum(t * l for t, l in zip(target, log_softmax(logits)))
+
+
+@pytest.fixture
+def example():
+    """One sample of class 0 mixed with a sample of class 1 on a 1x2 grid of an 1x4 image (one cell each)."""
+    mixer = PatchMix(grid=(1, 2), num_classes=3)
+    params = PatchMixParams(torch.tensor([1, 0]), torch.tensor([[[True, False]], [[True, True]]]))
+    _, packed = mixer.apply(torch.zeros(2, 1, 1, 4), torch.tensor([0, 1]), params)
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
+    patch = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 3.0, 1.0]], [[0.5, -0.5, 0.0], [2.0, 2.0, 2.0]]])
+    return packed, logits, patch
+
+
+def test_loss_matches_hand_computation(example):
+    packed, logits, patch = example
+    # sample 0: lam = 0.5 -> image target (0.5, 0.5, 0); cell 0 from itself (class 0), cell 1 from partner (class 1)
+    # sample 1: unmixed, class 1 everywhere
+    l_o = (ce([2.0, 0.5, -1.0], [0.5, 0.5, 0]) + ce([0.1, 0.2, 0.3], [0, 1, 0])) / 2
+    l_p = ((ce([1.0, 0.0, 0.0], [1, 0, 0]) + ce([0.0, 3.0, 1.0], [0, 1, 0]))
+           + (ce([0.5, -0.5, 0.0], [0, 1, 0]) + ce([2.0, 2.0, 2.0], [0, 1, 0]))) / 2
+    loss = PatchMixLoss()((logits, patch), packed)
+    assert loss.item() == pytest.approx((l_o + l_p / 2) / 2, rel=1e-6)
+    assert PatchMixLoss(patch_loss=False)((logits, patch), packed).item() == pytest.approx(l_o, rel=1e-6)
+    assert PatchMixLoss(image_loss=False)((logits, patch), packed).item() == pytest.approx(l_p / 2, rel=1e-6)
+    assert PatchMixLoss(patch_weight=3.0)((logits, patch), packed).item() == pytest.approx((l_o + 3 * l_p / 2) / 2,
+                                                                                          rel=1e-6)
+    # a plain classifier output gives L_O alone
+    assert PatchMixLoss()(logits, packed).item() == pytest.approx(l_o, rel=1e-6)
+
+
+def test_int_target_is_cross_entropy_and_matches_unmixed_packed():
+    torch.manual_seed(0)
+    logits, patch = torch.randn(4, 5), torch.randn(4, 16, 5)
+    y = torch.tensor([0, 4, 2, 2])
+    assert torch.allclose(PatchMixLoss()(logits, y), F.cross_entropy(logits, y))
+    mixer = PatchMix(num_classes=5)
+    _, packed = mixer.apply(torch.rand(4, 3, 8, 8), y, PatchMixParams.identity(4, 4))
+    torch.testing.assert_close(PatchMixLoss()((logits, patch), y), PatchMixLoss()((logits, patch), packed))
+    expected = (F.cross_entropy(logits, y) + F.cross_entropy(patch.reshape(-1, 5), y.repeat_interleave(16))) / 2
+    torch.testing.assert_close(PatchMixLoss()((logits, patch), y), expected)
+
+
+def test_loss_gradients_flow_and_half_logits():
+    logits = torch.randn(2, 3, requires_grad=True)
+    patch = torch.randn(2, 4, 3, requires_grad=True)
+    _, packed = PatchMix(grid=2, num_classes=3)(torch.rand(2, 3, 4, 4), torch.tensor([0, 2]))
+    loss = PatchMixLoss()((logits.half(), patch.half()), packed)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert logits.grad.abs().sum() > 0 and patch.grad.abs().sum() > 0
+
+
+def test_loss_errors():
+    logits, patch = torch.randn(2, 3), torch.randn(2, 4, 3)
+    soft = torch.softmax(torch.randn(2, 3), 1)
+    with pytest.raises(ValueError, match='no per-cell labels'):
+        PatchMixLoss()((logits, patch), soft)
+    assert PatchMixLoss(patch_loss=False)((logits, patch), soft).item() > 0
+    _, packed16 = PatchMix(grid=4, num_classes=3)(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match='packed target for 3 classes and 4 cells'):
+        PatchMixLoss()((logits, patch), packed16)
+    with pytest.raises(ValueError, match='target batch size 3'):
+        PatchMixLoss()(logits, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match='image_loss or patch_loss'):
+        PatchMixLoss(image_loss=False, patch_loss=False)

@@ -1,0 +1,264 @@
+"""Exact semantics of the PatchMix tensor mixer: pixels, labels, lambda, modes, dtypes and errors."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from timm_patchmix import PatchMix, PatchMixParams, cell_areas, cell_bounds, split_target, to_grid
+from timm_patchmix.mix import pack_target
+
+
+def reference_mix(x, partner, mask):
+    """Pixel-by-pixel reference: every pixel looks up its cell with the floor(k*H/rows) rule directly."""
+    b, _, h, w = x.shape
+    rows, cols = mask.shape[1:]
+    out = torch.empty_like(x)
+    keep = torch.empty(b, h, w, dtype=torch.bool)
+    row_of = [max(r for r in range(rows) if (r * h) // rows <= y) for y in range(h)]
+    col_of = [max(c for c in range(cols) if (c * w) // cols <= xx) for xx in range(w)]
+    for i in range(b):
+        for y in range(h):
+            for xx in range(w):
+                k = bool(mask[i, row_of[y], col_of[xx]])
+                keep[i, y, xx] = k
+                out[i, :, y, xx] = x[i, :, y, xx] if k else x[partner[i], :, y, xx]
+    return out, keep
+
+
+def one_hot(y, c, smoothing=0.0):
+    t = torch.zeros(len(y), c)
+    t[torch.arange(len(y)), y] = 1.0
+    return t * (1 - smoothing) + smoothing / c if smoothing else t
+
+
+def test_cell_bounds_formula_and_errors():
+    assert cell_bounds(32, 4) == (0, 8, 16, 24, 32)
+    assert cell_bounds(10, 4) == (0, 2, 5, 7, 10)
+    assert cell_bounds(7, 7) == tuple(range(8))
+    for size in range(1, 30):
+        for parts in range(1, size + 1):
+            b = cell_bounds(size, parts)
+            assert b == tuple(math.floor(k * size / parts) for k in range(parts + 1))
+            assert all(b[k + 1] > b[k] for k in range(parts))
+    with pytest.raises(ValueError, match='cannot split a length of 3 into 4'):
+        cell_bounds(3, 4)
+    assert to_grid(4) == (4, 4) and to_grid((2, 3)) == (2, 3)
+    for bad in (0, (0, 2), (2,), 'ab', 2.5, True):
+        with pytest.raises(ValueError, match='grid'):
+            to_grid(bad)
+    assert cell_areas(10, 7, (4, 3)).sum().item() == 70
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 7), h=st.integers(1, 13), w=st.integers(1, 13),
+    rows=st.integers(1, 5), cols=st.integers(1, 5),
+    mode=st.sampled_from(['elem', 'pair', 'batch']), prob=st.sampled_from([0.0, 0.5, 1.0]),
+    smoothing=st.sampled_from([0.0, 0.1]), soft=st.booleans(), seed=st.integers(0, 2 ** 16),
+)
+def test_pixels_labels_and_lambda_exact(b, h, w, rows, cols, mode, prob, smoothing, soft, seed):
+    h, w = max(h, rows), max(w, cols)
+    c = 5
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(b, 2, h, w, generator=g)
+    y = torch.randint(0, c, (b,), generator=g)
+    target = torch.softmax(torch.randn(b, c, generator=g), 1) if soft else y
+    mixer = PatchMix(grid=(rows, cols), prob=prob, mode=mode, label_smoothing=smoothing, num_classes=c)
+    params = mixer.sample(b, generator=g)
+    assert params.partner.dtype == torch.long and params.mask.dtype == torch.bool
+    assert params.mask.shape == (b, rows, cols)
+    out, packed = mixer.apply(x, target, params)
+
+    ref, keep = reference_mix(x, params.partner, params.mask)
+    assert torch.equal(out, ref)
+
+    rows_t = (target if soft else one_hot(y, c)) * (1 - smoothing) + smoothing / c
+    rows_t = rows_t.float()
+    lam = keep.double().mean((1, 2)).float()  # fraction of pixels from the sample itself
+    image_t, patch_t = split_target(packed, (rows, cols))
+    assert packed.dtype == torch.float32 and image_t.dtype == torch.float32
+    expected_image = lam[:, None] * rows_t + (1 - lam[:, None]) * rows_t[params.partner]
+    torch.testing.assert_close(image_t, expected_image, rtol=0, atol=1e-6)
+    assert patch_t.shape == (b, rows * cols, c)
+    for i in range(b):
+        for k in range(rows * cols):
+            src = i if params.mask[i, k // cols, k % cols] else int(params.partner[i])
+            assert torch.equal(patch_t[i, k], rows_t[src])
+
+    # modes
+    ar = torch.arange(b)
+    if mode == 'pair':
+        assert torch.equal(params.partner[params.partner], ar)
+        assert torch.equal(params.mask[params.partner], params.mask)
+    elif mode == 'batch' and prob == 1.0:
+        assert (params.mask == params.mask[0]).all()
+    if mode != 'pair' and b >= 2:
+        assert not (params.partner == ar).any(), 'partners follow one cycle, no sample partners itself'
+    assert params.mask[params.partner == ar].all(), 'a sample partnered with itself is unmixed'
+    if prob == 0.0:
+        assert torch.equal(out, x) and params.mask.all()
+        torch.testing.assert_close(image_t, rows_t, rtol=0, atol=0)
+
+
+def test_lambda_counts_pixels_for_uneven_cells():
+    # 10x7 image, 4x3 grid: cells have unequal areas, so lam is not the fraction of cells kept
+    mixer = PatchMix(grid=(4, 3), num_classes=3)
+    mask = torch.zeros(1, 4, 3, dtype=torch.bool)
+    mask[0, 1, 1] = True  # rows 2..5 (3 px), cols 2..4 (2 px) -> 6 of 70 pixels
+    params = PatchMixParams(torch.tensor([0]), mask)
+    x = torch.rand(1, 1, 10, 7)
+    _, packed = mixer.apply(x, torch.tensor([2]), params)
+    assert packed[0, 2].item() == pytest.approx(6 / 70, abs=1e-7)
+    two = PatchMixParams(torch.tensor([1, 0]), mask.expand(2, 4, 3).clone())
+    _, packed = mixer.apply(torch.rand(2, 1, 10, 7), torch.tensor([0, 2]), two)
+    image_t, patch_t = split_target(packed)
+    torch.testing.assert_close(image_t[0], torch.tensor([6 / 70, 0, 64 / 70]))
+    assert torch.equal(patch_t[0, 4], torch.tensor([1.0, 0, 0])) and torch.equal(patch_t[0, 0], torch.tensor([0, 0, 1.0]))
+
+
+def test_chain_partners_see_original_pixels():
+    # 0 takes from 1, 1 takes from 2, 2 takes from 0: every cell must come from the original images
+    x = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 4, 4).contiguous()
+    params = PatchMixParams(torch.tensor([1, 2, 0]), torch.zeros(3, 2, 2, dtype=torch.bool))
+    out, _ = PatchMix(grid=2, num_classes=3).apply(x, torch.tensor([0, 1, 2]), params)
+    assert torch.equal(out[:, 0, 0, 0], torch.tensor([1.0, 2.0, 0.0]))
+
+
+def test_input_untouched_and_held_outputs_never_overwritten():
+    mixer = PatchMix(num_classes=3)
+    x = torch.rand(4, 3, 8, 8)
+    before = x.clone()
+    params = mixer.sample(4, generator=torch.Generator().manual_seed(0))
+    out1, _ = mixer.apply(x, torch.tensor([0, 1, 2, 0]), params)
+    assert torch.equal(x, before) and out1.data_ptr() != x.data_ptr()
+    keep1 = out1.clone()
+    view = out1[1:]  # a view alone keeps the memory busy
+    ptr1 = out1.data_ptr()
+    del out1
+    out2, _ = mixer.apply(torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]), params)
+    assert out2.data_ptr() != ptr1 and torch.equal(view, keep1[1:])
+    del view
+    out3, _ = mixer.apply(x, torch.tensor([0, 1, 2, 0]), params)
+    assert out3.data_ptr() == ptr1, 'memory nobody holds any more is recycled'
+    assert torch.equal(out3, keep1)
+
+
+def test_batch_size_one_and_odd_pair():
+    mixer = PatchMix(num_classes=4, mode='pair')
+    x = torch.rand(1, 3, 8, 8)
+    out, packed = mixer(x.clone(), torch.tensor([3]))
+    assert torch.equal(out, x)
+    torch.testing.assert_close(split_target(packed)[0], torch.tensor([[0.0, 0, 0, 1]]))
+    params = mixer.sample(5, generator=torch.Generator().manual_seed(0))
+    lone = (params.partner == torch.arange(5)).nonzero().flatten()
+    assert len(lone) == 1 and params.mask[lone].all()
+
+
+def test_generator_determinism_and_prob_rate():
+    mixer = PatchMix(num_classes=10, prob=0.3)
+    p1 = mixer.sample(64, generator=torch.Generator().manual_seed(7))
+    p2 = mixer.sample(64, generator=torch.Generator().manual_seed(7))
+    p3 = mixer.sample(64, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(p1.partner, p2.partner) and torch.equal(p1.mask, p2.mask)
+    assert not (torch.equal(p1.partner, p3.partner) and torch.equal(p1.mask, p3.mask))
+    g = torch.Generator().manual_seed(0)
+    big = mixer.sample(20000, generator=g)
+    unmixed = big.mask.flatten(1).all(1).float().mean().item()
+    # unmixed = not chosen (0.7) + chosen with an all-keep mask (0.3 / 2**16)
+    assert abs(unmixed - 0.7) < 0.02
+
+
+@pytest.mark.parametrize('alpha', [0.2, 1.0, 5.0])
+def test_mask_entries_are_fair_coins(alpha):
+    import numpy as np
+    params = PatchMix(num_classes=2, alpha=alpha).sample(4000, generator=torch.Generator().manual_seed(1))
+    assert abs(params.mask.float().mean().item() - 0.5) < 0.01
+    # the rounded Beta(alpha, alpha) the paper draws has the same law
+    ref = np.random.default_rng(0).beta(alpha, alpha, size=200000).round().mean()
+    assert abs(ref - 0.5) < 0.01
+
+
+def test_disabled_mixer_is_identity():
+    mixer = PatchMix(num_classes=3)
+    mixer.mixup_enabled = False
+    x = torch.rand(4, 3, 8, 8)
+    out, packed = mixer(x.clone(), torch.tensor([0, 1, 2, 1]))
+    assert torch.equal(out, x)
+    assert torch.equal(split_target(packed)[0], one_hot(torch.tensor([0, 1, 2, 1]), 3))
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.uint8])
+def test_low_precision_images_give_float32_targets(dtype):
+    x = (torch.rand(6, 3, 16, 16) * 200).to(dtype)
+    mixer = PatchMix(num_classes=5)
+    params = mixer.sample(6, generator=torch.Generator().manual_seed(3))
+    out, packed = mixer.apply(x, torch.tensor([0, 1, 2, 3, 4, 0]), params)
+    assert out.dtype == dtype and packed.dtype == torch.float32
+    assert torch.equal(out, reference_mix(x, params.partner, params.mask)[0])
+
+
+def test_channels_last_stays_channels_last():
+    x = torch.rand(4, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    ref_x = x.contiguous()
+    mixer = PatchMix(num_classes=3)
+    params = mixer.sample(4, generator=torch.Generator().manual_seed(0))
+    out, _ = mixer.apply(x, torch.tensor([0, 1, 2, 0]), params)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, reference_mix(ref_x, params.partner, params.mask)[0])
+
+
+def test_packed_target_stays_on_device_of_x():
+    x = torch.rand(2, 3, 8, 8)
+    _, packed = PatchMix(num_classes=3)(x, torch.tensor([0, 1]))
+    assert packed.device == x.device and packed.shape == (2, 3 + 2 * 3 + 16)
+
+
+@pytest.mark.parametrize('call, message', [
+    (lambda m: m(torch.rand(2, 3, 8, 8), torch.tensor([0, 5])), r'labels must lie in \[0, 5\)'),
+    (lambda m: m(torch.rand(2, 3, 8, 8), torch.tensor([-1, 0])), 'labels must lie'),
+    (lambda m: m(torch.rand(2, 3, 8, 8), torch.rand(2, 4)), 'target has 4 classes .* num_classes=5'),
+    (lambda m: m(torch.rand(3, 8, 8), torch.tensor([0, 1, 2])), '4-D image batch'),
+    (lambda m: m(torch.rand(3, 3, 8, 8), torch.tensor([0, 1])), 'target batch size 2 does not match .* 3'),
+    (lambda m: m(torch.rand(2, 3, 3, 8), torch.tensor([0, 1])), 'grid 4x4 does not fit a image of 3x8'),
+    (lambda m: m(torch.rand(2, 3, 8, 8), torch.tensor([0.0, 1.0])), 'integer class indices'),
+    (lambda m: m.apply(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]),
+                       PatchMixParams(torch.tensor([0, 1]), torch.ones(2, 2, 2, dtype=torch.bool))), '2x2 grid'),
+    (lambda m: m.apply(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]),
+                       PatchMixParams(torch.tensor([0, 2]), torch.ones(2, 4, 4, dtype=torch.bool))), 'outside'),
+])
+def test_bad_inputs_raise_named_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(PatchMix(num_classes=5))
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(), 'num_classes'), (dict(num_classes=0), 'num_classes'), (dict(num_classes=3, alpha=0), 'alpha'),
+    (dict(num_classes=3, prob=1.5), 'prob'), (dict(num_classes=3, mode='half'), 'mode'),
+    (dict(num_classes=3, label_smoothing=1.0), 'label_smoothing'), (dict(num_classes=3, grid=(4, 0)), 'grid'),
+])
+def test_bad_constructor_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PatchMix(**kwargs)
+
+
+def test_split_target_checks_grid_and_shape():
+    y = one_hot(torch.tensor([0, 1]), 3)
+    packed = pack_target(y, y.flip(0), torch.tensor([0.5, 0.5]), torch.ones(2, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match='4x4 grid, not 2x2'):
+        split_target(packed, 2)
+    with pytest.raises(ValueError, match='packed PatchMix target'):
+        split_target(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match='not a packed PatchMix target'):
+        split_target(packed[:, :-1])
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.uint8, torch.int16])
+def test_strided_and_word_aligned_inputs(dtype):
+    # wide-word copies apply to aligned contiguous rows; offsets, odd strides and steps fall back to elements
+    base = (torch.rand(5, 3, 20, 34) * 100).to(dtype)
+    for x in (base[:, :, :, :32], base[:, :, :16, 1:33], base[:, :, ::2, ::2], base[1:].contiguous()):
+        mixer = PatchMix(num_classes=3)
+        params = mixer.sample(x.shape[0], generator=torch.Generator().manual_seed(1))
+        out, _ = mixer.apply(x, torch.zeros(x.shape[0], dtype=torch.long), params)
+        assert torch.equal(out, reference_mix(x, params.partner, params.mask)[0])
