@@ -1,0 +1,186 @@
+"""patchhead_* models: registration, layouts, exact region pooling, timm conventions, CIFAR backbones."""
+import os
+
+import pytest
+import torch
+import timm
+from safetensors.torch import load_file, save_file
+
+import timm_patchmix  # noqa: F401  registers patchhead_*
+from timm_patchmix import PatchMix, PatchMixLoss, cell_bounds
+from timm_patchmix.models import PatchHeadModel, register_patchhead_models
+
+SMALL_SWIN = dict(embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=4, img_size=128)
+ARCHS = [
+    ('patchhead_test_resnet', {}, 128),
+    ('patchhead_test_vit', {}, 160),
+    ('patchhead_swin_tiny_patch4_window7_224', SMALL_SWIN, 128),
+    ('patchhead_test_convnext', {}, 128),
+    ('patchhead_test_efficientnet', {}, 128),
+    ('patchhead_resnet32_cifar', {}, 32),
+    ('patchhead_preactresnet18_cifar', {}, 32),
+    ('patchhead_preactresnet56_cifar', {}, 32),
+]
+
+
+def test_registration_covers_timm_and_never_overwrites():
+    archs = [a for a in timm.list_models() if not a.startswith('patchhead_')]
+    heads = set(timm.list_models('patchhead_*'))
+    assert {f'patchhead_{a}' for a in archs} <= heads
+    assert timm.is_model('patchhead_convnext_tiny') and timm.is_model('patchhead_resnet32_cifar')
+    assert timm.is_model('patchhead_resnet50.a1_in1k')
+    before = dict(timm.models._registry._model_entrypoints)
+    assert register_patchhead_models() == 0
+    assert timm.models._registry._model_entrypoints == before
+    with pytest.raises(RuntimeError, match='Unknown model'):
+        timm.create_model('patchhead_no_such_backbone')
+
+
+@pytest.mark.parametrize('name, kwargs, size', ARCHS)
+def test_train_eval_outputs(name, kwargs, size):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, **kwargs)
+    assert isinstance(model, PatchHeadModel)
+    x = torch.randn(2, 3, size, size)
+    model.train()
+    logits, patch = model(x)
+    assert logits.shape == (2, 5) and patch.shape == (2, 16, 5)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+        assert isinstance(out, torch.Tensor) and out.shape == (2, 5)
+        assert torch.equal(out, model.backbone(x)), 'eval mode is the plain backbone classifier'
+        assert model.forward_patches(x).shape == (2, 16, 5)
+    # a PatchMix batch and loss run end to end with a backward pass
+    model.train()
+    mixer = PatchMix(num_classes=5)
+    xm, target = mixer(x, torch.tensor([1, 4]))
+    loss = PatchMixLoss()(model(xm), target)
+    loss.backward()
+    assert model.patch_head.fc.weight.grad is not None and torch.isfinite(loss)
+
+
+def hand_pool(fmap_nhwc, img_h, img_w, rows, cols):
+    """Area-weighted region means, computed pixel by pixel from cell_bounds of the image."""
+    b, h, w, f = fmap_nhwc.shape
+    rb, cb = cell_bounds(img_h, rows), cell_bounds(img_w, cols)
+    out = torch.zeros(b, rows * cols, f, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            y0, y1 = rb[r] * h / img_h, rb[r + 1] * h / img_h
+            x0, x1 = cb[c] * w / img_w, cb[c + 1] * w / img_w
+            acc, tot = 0, 0.0
+            for i in range(h):
+                oy = max(0.0, min(y1, i + 1) - max(y0, i))
+                for j in range(w):
+                    ox = max(0.0, min(x1, j + 1) - max(x0, j))
+                    acc = acc + oy * ox * fmap_nhwc[:, i, j].double()
+                    tot += oy * ox
+            out[:, r * cols + c] = acc / tot
+    return out
+
+
+@pytest.mark.parametrize('name, kwargs, size, grid', [
+    ('patchhead_resnet32_cifar', {}, 32, 4),             # 8x8 map, plain block means
+    ('patchhead_resnet32_cifar', {}, 36, (4, 3)),        # 9x9 map: area-weighted
+    ('patchhead_test_vit', {}, 160, 4),                  # tokens with a class token
+    ('patchhead_swin_tiny_patch4_window7_224', SMALL_SWIN, 128, 4),  # NHWC
+])
+@pytest.mark.parametrize('per_position', [False, True])
+def test_patch_logits_are_classifier_of_pooled_regions(name, kwargs, size, grid, per_position):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=3, grid=grid, per_position=per_position, **kwargs).eval()
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        feat = model.forward_features(x)
+        if feat.ndim == 3:  # tokens: drop the prefix tokens, lay the rest out on the token grid
+            n = model.backbone.num_prefix_tokens
+            side = int((feat.shape[1] - n) ** 0.5)
+            fmap = feat[:, n:].reshape(2, side, side, -1)
+        elif getattr(model.backbone, 'output_fmt', 'NCHW') == 'NHWC':
+            fmap = feat
+        else:
+            fmap = feat.permute(0, 2, 3, 1)
+        rows, cols = model.grid
+        pooled = hand_pool(fmap, size, size, rows, cols)
+        fc = model.patch_head.fc
+        if per_position:
+            expected = torch.stack([pooled[:, k] @ fc.weight[k].double().T + fc.bias[k].double()
+                                    for k in range(rows * cols)], 1)
+        else:
+            expected = pooled @ fc.weight.double().T + fc.bias.double()
+        got = model.forward_patches(x)
+    assert got.shape == (2, rows * cols, 3)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_backbone_kwargs_pass_through():
+    m = timm.create_model('patchhead_resnet18', num_classes=4, output_stride=8, drop_path_rate=0.1, in_chans=1)
+    assert m.backbone.conv1.in_channels == 1
+    assert m.forward_features(torch.randn(1, 1, 32, 32)).shape[-2:] == (4, 4)
+    assert m.train()(torch.randn(2, 1, 32, 32))[1].shape == (2, 16, 4)
+    v = timm.create_model('patchhead_test_vit', num_classes=4, img_size=96)
+    assert v.train()(torch.randn(1, 3, 96, 96))[1].shape == (1, 16, 4)
+
+
+def test_too_small_map_names_size_and_fix():
+    m = timm.create_model('patchhead_resnet50', num_classes=10).train()
+    with pytest.raises(ValueError, match=r'1x1.*4x4.*output_stride=8.*resnet32_cifar'):
+        m(torch.randn(2, 3, 32, 32))
+
+
+def test_timm_conventions_and_reset_classifier():
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=10)
+    assert m.pretrained_cfg['classifier'] == ('backbone.fc', 'patch_head.fc')
+    assert m.default_cfg is m.pretrained_cfg and m.pretrained_cfg['architecture'] == 'patchhead_resnet32_cifar'
+    assert m.num_classes == 10 and m.num_features == 64 and m.get_classifier() is m.backbone.fc
+    state = dict(m.state_dict())
+    for name in m.pretrained_cfg['classifier']:
+        assert f'{name}.weight' in state and f'{name}.bias' in state
+    old_patch = m.patch_head.fc
+    m.reset_classifier(3)
+    assert m.num_classes == 3 and m.backbone.fc.out_features == 3
+    assert m.patch_head.fc is not old_patch and m.patch_head.fc.out_features == 3
+    m.reset_classifier(0)
+    out = m.train()(torch.randn(2, 3, 32, 32))
+    assert out[0].shape == (2, 64) and out[1].shape == (2, 16, 64)
+    m.set_grad_checkpointing(True)
+    assert m.backbone.grad_checkpointing
+
+
+def test_safetensors_round_trip(tmp_path):
+    torch.manual_seed(0)
+    a = timm.create_model('patchhead_resnet32_cifar', num_classes=6, per_position=True).eval()
+    path = os.path.join(tmp_path, 'model.safetensors')
+    save_file(a.state_dict(), path)
+    b = timm.create_model('patchhead_resnet32_cifar', num_classes=6, per_position=True).eval()
+    b.load_state_dict(load_file(path))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x)) and torch.equal(a.forward_patches(x), b.forward_patches(x))
+
+
+@pytest.mark.parametrize('name, params, tol', [
+    ('resnet32_cifar', 0.46e6, 0.02e6), ('resnet56_cifar', 0.85e6, 0.02e6),
+    ('preactresnet56_cifar', 0.85e6, 0.02e6), ('preactresnet164_cifar', 1.70e6, 0.05e6),
+    ('preactresnet18_cifar', 2.78e6, 0.05e6),
+])
+def test_cifar_backbones_param_counts_and_8x8_maps(name, params, tol):
+    m = timm.create_model(name, num_classes=10)
+    n = sum(p.numel() for p in m.parameters())
+    print(f'{name}: {n / 1e6:.3f}M parameters')
+    assert abs(n - params) <= tol
+    assert m.forward_features(torch.randn(1, 3, 32, 32)).shape[-2:] == (8, 8)
+    assert timm.is_model(f'patchhead_{name}')
+
+
+def test_torch_compile():
+    torch.manual_seed(0)
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=4).train()
+    compiled = torch.compile(m, backend='aot_eager')
+    x = torch.randn(2, 3, 32, 32)
+    logits, patch = compiled(x)
+    ref_logits, ref_patch = m(x)
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(patch, ref_patch)
+    (logits.sum() + patch.sum()).backward()

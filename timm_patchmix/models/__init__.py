@@ -1,0 +1,6 @@
+"""Models: the patch-head wrapper for any timm backbone and the paper's CIFAR backbones."""
+from . import cifar  # registers the CIFAR backbones with timm before patchhead_* names are derived
+from .cifar import CifarResNet
+from .patchhead import PREFIX, PatchHead, PatchHeadModel, create_patchhead, register_patchhead_models
+
+__all__ = ['CifarResNet', 'PatchHead', 'PatchHeadModel', 'create_patchhead', 'register_patchhead_models', 'PREFIX']
