@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes']
+__all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'PILView', 'build_dataset',
+           'dataset_num_classes', 'small_image_transform', 'read_idx']
 
 _logger = logging.getLogger(__name__)
 
@@ -124,3 +125,160 @@ class PatchShapes(Dataset):
             from PIL import Image
             return self.transform(Image.fromarray(img)), target
         return torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1))), target
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fashion-MNIST from IDX files on disk (Debian's dataset-fashion-mnist puts them in /usr/share/datasets)
+
+FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+FASHION_MNIST_CLASSES = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal', 'Shirt', 'Sneaker', 'Bag',
+                         'Ankle boot')
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read an IDX file (optionally gzipped) into a numpy array."""
+    import gzip
+    opener = gzip.open if path.endswith('.gz') else open
+    with opener(path, 'rb') as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise ValueError(f'{path} is not an unsigned-byte IDX file')
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big') for i in range(ndim)]
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise ValueError(f'{path} is truncated: header says {dims}, found {body.size} values')
+    return body.reshape(dims)
+
+
+class FashionMNISTFiles(Dataset):
+    """Fashion-MNIST read from its original IDX files (``.gz`` or not) under ``root``; no network.
+
+    Items are ``(PIL.Image 'L' 28x28, label)``, through ``transform`` when set.
+    """
+    classes = FASHION_MNIST_CLASSES
+    _files = {'train': ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte'),
+              'test': ('t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')}
+
+    def __init__(self, root: Optional[str] = None, split: str = 'train', transform: Optional[Callable] = None):
+        import os
+        root = root or FASHION_MNIST_DIR
+        key = 'train' if split in ('train', 'training') else 'test'
+        paths = []
+        for stem in self._files[key]:
+            cands = [os.path.join(d, stem + ext) for d in (root, os.path.join(root, 'FashionMNIST', 'raw'))
+                     for ext in ('', '.gz')]
+            found = next((p for p in cands if os.path.isfile(p)), None)
+            if found is None:
+                raise FileNotFoundError(
+                    f'Fashion-MNIST file {stem}[.gz] not found in {root} (or {root}/FashionMNIST/raw). '
+                    f'Install it with `apt-get install -y dataset-fashion-mnist` (files go to {FASHION_MNIST_DIR}), '
+                    f'or pass --data-dir pointing to a folder with the IDX files')
+            paths.append(found)
+        self.images = read_idx(paths[0])
+        self.targets = read_idx(paths[1]).astype(np.int64).tolist()
+        self.transform = transform
+        self.split = key
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+        img = Image.fromarray(self.images[index], mode='L')
+        return (self.transform(img) if self.transform is not None else img), self.targets[index]
+
+
+class PILView(Dataset):
+    """Items of a dataset as ``(PIL image, label)`` passed through ``transform``, over an optional index subset."""
+
+    def __init__(self, base: Dataset, indices=None, transform: Optional[Callable] = None):
+        self.base = base
+        self.indices = list(range(len(base))) if indices is None else list(indices)
+        self.transform = transform
+        self.classes = list(getattr(base, 'classes', None) or [])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        img, target = self.base[self.indices[i]]
+        if isinstance(img, torch.Tensor):  # the embedded dataset without a transform gives CHW uint8
+            from PIL import Image
+            img = Image.fromarray(img.permute(1, 2, 0).numpy())
+        return (self.transform(img) if self.transform is not None else img), int(target)
+
+
+def build_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
+                  subset: Optional[int] = None, subset_seed: int = 0) -> PILView:
+    """Open a dataset as a :class:`PILView` with ``classes`` set.
+
+    ``name``: ``''`` or ``'patchshapes'`` (embedded default; with ``''`` and a ``root``, an image folder as in
+    timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), or any timm dataset name
+    (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
+    ``subset`` of the items.
+    """
+    import os
+    eval_split = split not in ('train', 'training')
+    if name in ('', 'patchshapes') and not (name == '' and root):
+        base = PatchShapes('validation' if eval_split else 'train')
+    elif name == 'fashion_mnist':
+        base = FashionMNISTFiles(root or None, 'test' if eval_split else 'train')
+    else:
+        from timm.data import create_dataset
+        if name == '' and not os.path.isdir(root):
+            raise FileNotFoundError(f'--data-dir {root} is not a folder of images')
+        try:
+            base = create_dataset(name, root=root, split=split, is_training=not eval_split, download=download)
+        except (RuntimeError, FileNotFoundError, OSError, AssertionError) as e:
+            where = root or '(no --data-dir given)'
+            raise FileNotFoundError(
+                f'could not open dataset {name!r} split {split!r} at {where}: {e}. Put the data there, pass '
+                f'--dataset-download where a network is available, use --dataset fashion_mnist for the IDX files of '
+                f'Debian\'s dataset-fashion-mnist, or leave --dataset unset for the embedded patchshapes data') from None
+    classes = list(getattr(base, 'classes', None) or [])
+    if not classes:
+        reader = getattr(base, 'reader', None)
+        class_to_idx = getattr(reader, 'class_to_idx', None)
+        if class_to_idx:
+            classes = [c for c, _ in sorted(class_to_idx.items(), key=lambda kv: kv[1])]
+    indices = None
+    if subset is not None and subset < len(base):
+        indices = np.random.default_rng(subset_seed).permutation(len(base))[:subset].tolist()
+    view = PILView(base, indices)
+    view.classes = classes
+    return view
+
+
+def dataset_num_classes(ds: PILView) -> int:
+    if ds.classes:
+        return len(ds.classes)
+    base = ds.base
+    for attr in ('num_classes',):
+        if hasattr(base, attr):
+            return int(getattr(base, attr))
+    raise ValueError('cannot tell the number of classes of this dataset; pass --num-classes')
+
+
+def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_prefetcher: bool,
+                          mean, std, crop_padding: Optional[int] = None):
+    """CIFAR-style transform for small images: resize to ``img_size`` if needed, then (training) a random crop
+    with padding and a horizontal flip. Ends in uint8 CHW numpy for the prefetcher, or a normalised tensor."""
+    from torchvision import transforms as T
+    from timm.data.transforms import ToNumpy
+    ops = [T.Lambda(lambda im: im.convert('L' if in_chans == 1 else 'RGB'))]
+    ops.append(T.Resize(img_size, interpolation=T.InterpolationMode.BILINEAR))
+    ops.append(T.CenterCrop(img_size))
+    if is_training:
+        pad = img_size // 8 if crop_padding is None else crop_padding
+        ops += [T.RandomCrop(img_size, padding=pad, padding_mode='reflect'), T.RandomHorizontalFlip()]
+    if use_prefetcher:
+        ops.append(ToNumpy())
+    else:
+        ops += [T.ToTensor(), T.Normalize(mean[:in_chans] if len(mean) >= in_chans else mean * in_chans,
+                                          std[:in_chans] if len(std) >= in_chans else std * in_chans)]
+    return T.Compose(ops)

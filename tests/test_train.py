@@ -1,0 +1,120 @@
+"""Tiny end-to-end runs of train.py on the embedded data."""
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix.checkpoint import load_state
+from timm_patchmix.train import KILL_ENV, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '2']
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def run(tmp_path, *extra, name='run'):
+    return main(TINY + ['--output', str(tmp_path), '--experiment', name] + list(extra))
+
+
+@pytest.mark.parametrize('flags, model', [
+    ([], 'resnet32_cifar'),
+    (['--mixup', '0.2'], 'resnet32_cifar'),
+    (['--cutmix', '1.0'], 'resnet32_cifar'),
+    (['--mixup', '0.2', '--no-prefetcher'], 'resnet32_cifar'),
+    (['--patchmix'], 'patchhead_resnet32_cifar'),
+    (['--patchmix', '--patchmix-collate', '--patchmix-mode', 'pair'], 'patchhead_resnet32_cifar'),
+    (['--patchmix', '--no-prefetcher', '--patchmix-grid', '2'], 'patchhead_resnet32_cifar'),
+])
+def test_modes_train_and_write_outputs(tmp_path, flags, model):
+    res = run(tmp_path, *flags)
+    out = res['output']
+    rows = read_csv(os.path.join(out, 'summary.csv'))
+    assert [int(r['epoch']) for r in rows] == [0, 1]
+    for r in rows:
+        assert 0 <= float(r['eval_top1']) <= 100 and float(r['eval_top1']) <= float(r['eval_top5'])
+        assert float(r['train_loss']) > 0 and float(r['img_s']) > 0
+        assert float(r['eval_top1']) * 40 / 100 == pytest.approx(round(float(r['eval_top1']) * 40 / 100))
+    for f in ('args.yaml', 'last.safetensors', 'best.safetensors', 'state.safetensors'):
+        assert os.path.isfile(os.path.join(out, f))
+    weights = load_file(os.path.join(out, 'last.safetensors'))
+    assert any(k.startswith('patch_head.') for k in weights) == model.startswith('patchhead_')
+    state = load_state(os.path.join(out, 'state.safetensors'))
+    assert state['meta']['epoch'] == 1 and state['meta']['args']['model'] == model
+    assert state['optimizer']['state'], 'momentum buffers are saved'
+    assert not [f for f in os.listdir(out) if f.endswith('.tmp')]
+
+
+def test_resume_after_kill_matches_uninterrupted(tmp_path):
+    args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    full = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'full'], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr[-2000:]
+    # 64 images / batch 16 = 4 steps per epoch: step 6 is in the middle of epoch 1
+    killed = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'killed'], cwd=ROOT,
+                            env=dict(env, **{KILL_ENV: '6'}), capture_output=True, text=True)
+    assert killed.returncode == -9
+    out = os.path.join(tmp_path, 'killed')
+    assert [r['epoch'] for r in read_csv(os.path.join(out, 'summary.csv'))] == ['0']
+    resumed = subprocess.run([sys.executable, 'train.py', *args, '--resume', os.path.join(out, 'state.safetensors')],
+                             cwd=ROOT, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows_full = read_csv(os.path.join(tmp_path, 'full', 'summary.csv'))
+    rows_resumed = read_csv(os.path.join(out, 'summary.csv'))
+    assert [r['epoch'] for r in rows_resumed] == ['0', '1', '2']
+    strip = [{k: v for k, v in r.items() if k != 'img_s'} for r in rows_full]
+    assert strip == [{k: v for k, v in r.items() if k != 'img_s'} for r in rows_resumed]
+    a = load_file(os.path.join(tmp_path, 'full', 'last.safetensors'))
+    b = load_file(os.path.join(out, 'last.safetensors'))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_process_ddp_gloo(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
+    cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix',
+           '--output', str(tmp_path), '--experiment', 'ddp']
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(os.path.join(tmp_path, 'ddp', 'summary.csv'))
+    assert [r['epoch'] for r in rows] == ['0', '1']
+    # validation is reduced over both ranks: every one of the 40 images is counted exactly once
+    for r in rows:
+        assert float(r['eval_top1']) * 40 / 100 == pytest.approx(round(float(r['eval_top1']) * 40 / 100))
+    assert proc.stdout.count('epoch 0:') == 1, 'only rank 0 reports'
+
+
+def test_fgsm_after_training_and_standalone(tmp_path):
+    res = run(tmp_path, '--fgsm', '0.1', '0.3')
+    fg = json.load(open(os.path.join(res['output'], 'fgsm.json')))
+    assert set(fg) == {'0.0', '0.1', '0.3'} and all(0 <= v <= 100 for v in fg.values())
+    assert fg['0.0'] == pytest.approx(float(res['rows'][-1]['eval_top1']), abs=100 / 40 + 1e-9)
+    from timm_patchmix.robustness import main as fgsm_main
+    fgsm_main(['--checkpoint', os.path.join(res['output'], 'last.safetensors'), '--eps', '0.1', '0.3',
+               '--val-subset', '40', '--output', str(tmp_path)])
+    again = json.load(open(os.path.join(tmp_path, 'fgsm.json')))
+    assert again == pytest.approx(fg)
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--dataset', 'torch/cifar10', '--data-dir', '/nonexistent'], "could not open dataset 'torch/cifar10'"),
+    (['--model', 'no_such_model'], "unknown model 'no_such_model'"),
+    (['--model', 'patchhead_resnet18', '--patchmix', '--img-size', '32'], r'final feature map is 1x1.*output_stride=8'),
+    (['--model', 'resnet32_cifar', '--patchmix'], 'use --model patchhead_resnet32_cifar'),
+    (['--num-classes', '7'], '--num-classes 7 does not match the 10 classes'),
+    (['--patchmix', '--mixup', '0.2'], 'alternatives'),
+])
+def test_clear_errors(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        run(tmp_path, *flags)

@@ -1,0 +1,168 @@
+"""Atomic, pickle-free checkpoints: model weights and full training state in safetensors with JSON metadata.
+
+A training-state file is one safetensors file: tensors under ``model.*``, ``optim.*`` and ``rng.*`` and a JSON
+document (epoch, args, optimizer hyper-parameters, RNG scalars, summary rows...) in the header metadata. One file
+means one atomic rename, so a kill can never pair weights of one epoch with state of another.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+__all__ = ['atomic_write_bytes', 'atomic_write_text', 'save_weights', 'load_weights', 'save_state', 'load_state',
+           'CheckpointError', 'rng_state', 'set_rng_state']
+
+_META_KEY = 'timm_patchmix'
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, tampered with or of the wrong kind."""
+
+
+def _atomic(path: str, write) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp', dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, 'rb+') as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    def write(tmp):
+        with open(tmp, 'wb') as f:
+            f.write(data)
+    _atomic(path, write)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode('utf-8'))
+
+
+def _contiguous(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def save_weights(path: str, state_dict: Dict[str, torch.Tensor], meta: Optional[Dict[str, Any]] = None) -> None:
+    """Write a model ``state_dict`` as safetensors, atomically, with optional JSON metadata."""
+    md = {_META_KEY: json.dumps(meta or {}), 'format': 'pt'}
+    _atomic(path, lambda tmp: save_file(_contiguous(state_dict), tmp, metadata=md))
+
+
+def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    if not os.path.isfile(path):
+        raise CheckpointError(f'checkpoint {path} does not exist')
+    try:
+        from safetensors import safe_open
+        with safe_open(path, framework='pt') as f:
+            md = f.metadata() or {}
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f'{path} is not a readable safetensors file (truncated or corrupt?): {e}') from None
+    try:
+        meta = json.loads(md.get(_META_KEY, '{}'))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f'{path} has corrupt metadata: {e}') from None
+    return tensors, meta
+
+
+def load_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Read weights written by :func:`save_weights` (or any safetensors state dict): ``(state_dict, meta)``."""
+    tensors, meta = _read(path)
+    return {k[len('model.'):] if meta.get('kind') == 'train_state' else k: v for k, v in tensors.items()
+            if meta.get('kind') != 'train_state' or k.startswith('model.')}, meta
+
+
+def rng_state() -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Python, numpy and torch (CPU and CUDA) RNG states as tensors plus JSON."""
+    tensors = {'rng.torch': torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f'rng.cuda.{i}'] = s
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors['rng.numpy'] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    py = random.getstate()
+    meta = {'numpy': [name, int(pos), int(has_gauss), float(gauss)], 'python': [py[0], list(py[1]), py[2]]}
+    return tensors, meta
+
+
+def set_rng_state(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    torch.set_rng_state(tensors['rng.torch'])
+    cuda = sorted(k for k in tensors if k.startswith('rng.cuda.'))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda][:torch.cuda.device_count()])
+    name, pos, has_gauss, gauss = meta['numpy']
+    np.random.set_state((name, tensors['rng.numpy'].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = meta['python']
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    tensors, state_meta = {}, {}
+    for idx, st in sd['state'].items():
+        entry = {}
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f'optim.{idx}.{name}'] = v
+                entry[name] = None
+            else:
+                entry[name] = v
+        state_meta[str(idx)] = entry
+    return tensors, {'state': state_meta, 'param_groups': sd['param_groups']}
+
+
+def _join_optimizer(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Dict[str, Any]:
+    state = {}
+    for idx, entry in meta['state'].items():
+        state[int(idx)] = {name: tensors[f'optim.{idx}.{name}'] if v is None else v for name, v in entry.items()}
+    return {'state': state, 'param_groups': meta['param_groups']}
+
+
+def save_state(path: str, model_state: Dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
+               meta: Dict[str, Any], extra_tensors: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Write a resumable training state (model, optimizer, RNG, ``meta``) as one atomic safetensors file."""
+    tensors = {f'model.{k}': v for k, v in model_state.items()}
+    meta = dict(meta, kind='train_state')
+    if optimizer is not None:
+        ot, om = _split_optimizer(optimizer.state_dict())
+        tensors.update(ot)
+        meta['optimizer'] = om
+    rt, rm = rng_state()
+    tensors.update(rt)
+    meta['rng'] = rm
+    if extra_tensors:
+        tensors.update({f'extra.{k}': v for k, v in extra_tensors.items()})
+    md = {_META_KEY: json.dumps(meta), 'format': 'pt'}
+    _atomic(path, lambda tmp: save_file(_contiguous(tensors), tmp, metadata=md))
+
+
+def load_state(path: str) -> Dict[str, Any]:
+    """Read a file written by :func:`save_state`: dict with ``model`` (state dict), ``optimizer`` (state dict or
+    None), ``rng`` (tensors, meta) for :func:`set_rng_state`, ``extra`` tensors and ``meta``."""
+    tensors, meta = _read(path)
+    if meta.get('kind') != 'train_state':
+        raise CheckpointError(f'{path} holds model weights only, not a training state to resume from; '
+                              f'use --initial-checkpoint to start from these weights')
+    try:
+        model = {k[len('model.'):]: v for k, v in tensors.items() if k.startswith('model.')}
+        extra = {k[len('extra.'):]: v for k, v in tensors.items() if k.startswith('extra.')}
+        optim = _join_optimizer(tensors, meta['optimizer']) if 'optimizer' in meta else None
+        rng = ({k: v for k, v in tensors.items() if k.startswith('rng.')}, meta['rng'])
+    except KeyError as e:
+        raise CheckpointError(f'{path} is incomplete: missing {e}') from None
+    return {'model': model, 'optimizer': optim, 'rng': rng, 'extra': extra, 'meta': meta}

@@ -1,0 +1,98 @@
+"""FGSM white-box robustness: top-1 on validation images perturbed by eps * sign(grad of the loss).
+
+    python -m timm_patchmix.robustness --checkpoint output/train/run/best.safetensors --eps 0.1 0.2 0.3
+
+Perturbations are in pixel space with pixels in [0, 1] (the paper's eps = 0.1, 0.2, 0.3); the model sees the
+perturbed image after its own mean/std normalisation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Dict, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ['fgsm_accuracy', 'main']
+
+
+class Normalized(nn.Module):
+    """``model((x - mean) / std)`` for pixel-space inputs in [0, 1]."""
+
+    def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float]):
+        super().__init__()
+        self.model = model
+        self.register_buffer('mean', torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer('std', torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return self.model((x - self.mean) / self.std)
+
+
+def fgsm_accuracy(model: nn.Module, loader: Iterable, eps_list: Sequence[float], mean, std,
+                  device=torch.device('cpu')) -> Dict[float, float]:
+    """Top-1 accuracy (%) for each eps on ``loader``'s ``(x in [0, 1], y)`` batches; eps 0 is clean accuracy."""
+    net = Normalized(model, mean, std).to(device).eval()
+    correct = {float(e): 0 for e in eps_list}
+    total = 0
+    for x, y in loader:
+        x, y = x.to(device).float(), y.to(device)
+        x.requires_grad_(True)
+        loss = F.cross_entropy(net(x), y)
+        grad, = torch.autograd.grad(loss, x)
+        sign = grad.sign()
+        with torch.no_grad():
+            for e in correct:
+                adv = (x + e * sign).clamp_(0.0, 1.0)
+                correct[e] += int((net(adv).argmax(1) == y).sum())
+        total += y.shape[0]
+    return {e: 100.0 * c / max(total, 1) for e, c in correct.items()}
+
+
+def main(argv=None) -> int:
+    from timm.data import resolve_data_config
+    from torchvision import transforms as T
+
+    from .checkpoint import atomic_write_text
+    from .data import build_dataset
+    from .hub import model_from_weights
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--checkpoint', required=True, help='weights written by train.py (last/best.safetensors)')
+    parser.add_argument('--eps', type=float, nargs='+', default=[0.1, 0.2, 0.3])
+    parser.add_argument('--dataset', default=None, help='default: the dataset the checkpoint was trained on')
+    parser.add_argument('--data-dir', default=None)
+    parser.add_argument('--val-split', default=None)
+    parser.add_argument('--val-subset', type=int, default=None)
+    parser.add_argument('-b', '--batch-size', type=int, default=128)
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--output', default=None, help='write fgsm.json here')
+    args = parser.parse_args(argv)
+
+    model, meta = model_from_weights(args.checkpoint)
+    data = meta.get('data', {})
+    ds = build_dataset(args.dataset if args.dataset is not None else data.get('dataset', ''),
+                       args.data_dir if args.data_dir is not None else data.get('data_dir', ''),
+                       args.val_split or data.get('val_split', 'validation'),
+                       subset=args.val_subset)
+    cfg = resolve_data_config({}, model=model)
+    size = data.get('input_size', cfg['input_size'])
+    in_chans = size[0]
+    ds.transform = T.Compose([T.Lambda(lambda im: im.convert('L' if in_chans == 1 else 'RGB')),
+                              T.Resize(size[1:]), T.ToTensor()])
+    loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
+    res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),
+                        data.get('std', cfg['std']), torch.device(args.device))
+    for e, acc in res.items():
+        print(f'FGSM eps={e:g}: top-1 {acc:.2f}%')
+    if args.output:
+        atomic_write_text(os.path.join(args.output, 'fgsm.json'),
+                          json.dumps({str(k): v for k, v in res.items()}, indent=1))
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
