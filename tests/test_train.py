@@ -118,3 +118,34 @@ def test_fgsm_after_training_and_standalone(tmp_path):
 def test_clear_errors(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):
         run(tmp_path, *flags)
+
+
+def write_idx(path, array):
+    import gzip
+    import numpy as np
+    header = bytes([0, 0, 0x08, array.ndim]) + b''.join(int(d).to_bytes(4, 'big') for d in array.shape)
+    with gzip.open(path, 'wb') as f:
+        f.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize('in_chans', [1, 3])
+def test_fashion_mnist_idx_files_greyscale(tmp_path, in_chans):
+    import numpy as np
+    from timm_patchmix.data import FashionMNISTFiles, read_idx
+    rng = np.random.default_rng(0)
+    data = tmp_path / 'fm'
+    data.mkdir()
+    for stem, n in (('train', 64), ('t10k', 40)):
+        write_idx(data / f'{stem}-images-idx3-ubyte.gz', rng.integers(0, 256, (n, 28, 28)))
+        write_idx(data / f'{stem}-labels-idx1-ubyte.gz', np.arange(n) % 10)
+    ds = FashionMNISTFiles(str(data), 'test')
+    assert len(ds) == 40 and ds[3][1] == 3 and ds[0][0].size == (28, 28)
+    assert np.array_equal(read_idx(str(data / 't10k-labels-idx1-ubyte.gz')), np.arange(40) % 10)
+    res = main(['--dataset', 'fashion_mnist', '--data-dir', str(data), '--in-chans', str(in_chans), '-b', '16',
+                '-j', '0', '--epochs', '1', '--no-progress', '--output', str(tmp_path), '--experiment', 'fm',
+                '--model', 'patchhead_resnet32_cifar', '--patchmix'])
+    assert len(res['rows']) == 1
+    weights = load_file(os.path.join(res['output'], 'last.safetensors'))
+    assert weights['backbone.conv1.weight'].shape[1] == in_chans
+    with pytest.raises(FileNotFoundError, match='apt-get install -y dataset-fashion-mnist'):
+        FashionMNISTFiles(str(tmp_path / 'empty'), 'train')

@@ -282,6 +282,8 @@ def build_loaders(args, train_ds, val_ds, model, num_classes: int, device):
     from .data import small_image_transform
 
     data_config = resolve_data_config(vars(args), model=model, verbose=args.rank == 0)
+    if args.in_chans is not None and args.input_size is None:  # the model cfg's input_size names 3 channels
+        data_config['input_size'] = (args.in_chans, *data_config['input_size'][1:])
     in_chans = data_config['input_size'][0]
     size = data_config['input_size'][-1]
     prefetch = not args.no_prefetcher
