@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 __all__ = ['atomic_write_bytes', 'atomic_write_text', 'save_weights', 'load_weights', 'save_state', 'load_state',
-           'CheckpointError', 'rng_state', 'set_rng_state']
+           'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle']
 
 _META_KEY = 'timm_patchmix'
 
@@ -166,3 +166,17 @@ def load_state(path: str) -> Dict[str, Any]:
     except KeyError as e:
         raise CheckpointError(f'{path} is incomplete: missing {e}') from None
     return {'model': model, 'optimizer': optim, 'rng': rng, 'extra': extra, 'meta': meta}
+
+
+def save_bundle(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], kind: str) -> None:
+    """Write named tensors and a JSON document as one atomic safetensors file tagged with ``kind``."""
+    md = {_META_KEY: json.dumps(dict(meta, kind=kind)), 'format': 'pt'}
+    _atomic(path, lambda tmp: save_file(_contiguous(tensors), tmp, metadata=md))
+
+
+def load_bundle(path: str, kind: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Read a file written by :func:`save_bundle`, checking its ``kind``."""
+    tensors, meta = _read(path)
+    if meta.get('kind') != kind:
+        raise CheckpointError(f'{path} is a {meta.get("kind") or "plain safetensors"} file, not a {kind}')
+    return tensors, meta
