@@ -133,8 +133,15 @@ class Search:
         if args.channels_last:
             model = model.to(memory_format=torch.channels_last)
         images = _load_images(ds, data, self.device)
-        self.scorer = GeneScorer(model, images, self.space.pairs, a_idx, b_idx, self.grid, args.score,
-                                 args.eval_batch_size, amp=args.amp, channels_last=args.channels_last)
+        scorer = GeneScorer(model, images, self.space.pairs, a_idx, b_idx, self.grid, args.score,
+                            args.eval_batch_size, amp=args.amp, channels_last=args.channels_last)
+        self._init_ga(scorer)
+        self.fingerprint = dataset_fingerprint(self.dataset, self.class_names)
+
+    def _init_ga(self, scorer) -> None:
+        """The search machinery over ``self.space`` and ``self.grid``, scoring genes with ``scorer``."""
+        args = self.args
+        self.scorer = scorer
         self.mops = MaskOps(*self.grid)
         self.fitness_cls = fitness_class(args.fitness)
         self.rng = np.random.default_rng(args.seed)
@@ -148,7 +155,6 @@ class Search:
         self.gen = 0
         self.population: List[Individual] = []
         self.best_history: List[float] = []
-        self.fingerprint = dataset_fingerprint(self.dataset, self.class_names)
 
     # --- fitness ---------------------------------------------------------------------------------------------
     def evaluate(self, individuals: List[Individual]) -> Dict[str, int]:

@@ -1,0 +1,175 @@
+"""Search cost: forward images saved by memoisation, bookkeeping time at CIFAR-100 scale, paper-scale wall time.
+
+    python benchmarks/bench_search.py memo --checkpoint output/bench/ft-rpm/best.safetensors \
+        [--population 100 --generations 40 --k 8] [--json benchmarks/results/search_memo.json]
+    python benchmarks/bench_search.py bookkeeping [--generations 10] [--json benchmarks/results/search_bookkeeping.json]
+    python benchmarks/bench_search.py paper --checkpoint ... [--generations 3] [--json ...]
+
+memo: one search on the embedded data; the memoised search forwards each distinct gene's K images once, a naive
+search forwards every evaluated individual's genes (DEAP evaluates the individuals a generation changed; a
+naiver one would evaluate all of them each generation: both counts are reported). Per-generation cache hit rates
+come from the logbook.
+
+bookkeeping: the search at CIFAR-100 scale (100 classes, 4,950 pairs, N=100, population 500, 4x4 grid) with the
+model replaced by a stand-in that scores a gene by hashing it; the stand-in's time is subtracted, so what is left is
+selection, variation, cloning, cache work and aggregation. Checkpoint writing is timed apart.
+
+paper: the first generations of a paper-scale search (10 classes, population 500, K=16) with a CIFAR backbone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
+import timm_patchmix  # noqa: E402,F401
+from timm_patchmix.search.fitness import GeneScorer  # noqa: E402
+from timm_patchmix.search.genome import PairSpace  # noqa: E402
+from timm_patchmix.search.loop import Search, build_parser  # noqa: E402
+
+
+def save(path, doc):
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + '.tmp', 'w') as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + '.tmp', path)
+        print(f'saved {path}')
+
+
+def run_search(checkpoint, population, generations, k, out, extra=()):
+    args = build_parser().parse_args(['--checkpoint', checkpoint, '--output', out, '--population', str(population),
+                                      '--generations', str(generations), '--k', str(k), '--patience', '0',
+                                      '--no-progress', '--no-plots', *extra])
+    os.makedirs(out, exist_ok=True)
+    s = Search(args)
+    t0 = time.perf_counter()
+    s.run()
+    return s, time.perf_counter() - t0
+
+
+def memo(a):
+    with tempfile.TemporaryDirectory() as out:
+        s, wall = run_search(a.checkpoint, a.population, a.generations, a.k, out)
+    rows = s.logbook
+    naive_changed = sum(r['gene_lookups'] for r in rows) * a.k
+    genes_per_ind = s.n_active + len(s.space.forced)
+    naive_all = (len(rows)) * a.population * genes_per_ind * a.k
+    memo_imgs = s.scorer.forward_images
+    doc = {'population': a.population, 'generations': len(rows) - 1, 'k': a.k, 'wall_s': wall,
+           'forward_images_memoised': memo_imgs, 'forward_images_naive_changed': naive_changed,
+           'forward_images_naive_all': naive_all, 'ratio_changed': naive_changed / memo_imgs,
+           'ratio_all': naive_all / memo_imgs,
+           'hit_rate_per_generation': [round(r['cache_hit_rate'], 4) for r in rows]}
+    print(f"memoised search forwarded {memo_imgs:,} images; naive: {naive_changed:,} (changed individuals, "
+          f"{doc['ratio_changed']:.1f}x) or {naive_all:,} (every individual, {doc['ratio_all']:.1f}x); "
+          f"{len(rows) - 1} generations in {wall:.0f} s")
+    print('cache hit rate per generation:', ' '.join(f'{h:.2f}' for h in doc['hit_rate_per_generation']))
+    save(a.json, doc)
+
+
+class StandInScorer(GeneScorer):
+    """The model replaced by a hash of the gene; it keeps GeneScorer's cache and bookkeeping."""
+
+    def __init__(self, grid, k=16):
+        self.grid, self.k = grid, k
+        self.cache, self.forward_images = {}, 0
+        self.bits = 1 << (grid[0] * grid[1])
+        self.score_seconds = 0.0
+
+    def score_genes(self, pair, mask):
+        t0 = time.perf_counter()
+        keys = self.key(pair, mask).astype(np.uint64)
+        h = (keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+        out = (h % np.uint64(1_000_003)).astype(np.float64) / 1_000_003
+        self.forward_images += len(pair) * self.k
+        self.score_seconds += time.perf_counter() - t0
+        return out
+
+
+def bookkeeping(a):
+    args = build_parser().parse_args(['--checkpoint', '-', '--population', str(a.population), '--generations',
+                                      str(a.generations), '--patience', '0', '--no-progress', '--no-plots'])
+    with tempfile.TemporaryDirectory() as out:
+        args.output = out
+        s = Search.__new__(Search)
+        s.args, s.rank = args, 0
+        s.num_classes, s.grid = a.classes, (4, 4)
+        s.space = PairSpace(a.classes)
+        s.n_active = a.classes
+        s.class_names = [str(i) for i in range(a.classes)]
+        s.fingerprint = 'bench'
+        stand_in = StandInScorer(s.grid)
+        s._init_ga(stand_in)
+        per_gen, ckpt = [], []
+        save_state = s.save_state
+
+        def timed_save():
+            t0 = time.perf_counter()
+            save_state()
+            ckpt.append(time.perf_counter() - t0)
+        s.save_state = timed_save
+        last = [0.0]
+
+        orig_record = s._record
+
+        def record(evals, n_invalid, t_gen):
+            per_gen.append(t_gen - (stand_in.score_seconds - last[0]))
+            last[0] = stand_in.score_seconds
+            return orig_record(evals, n_invalid, t_gen)
+        s._record = record
+        s.run()
+    gens = per_gen[1:]  # generation 0 is the initial population
+    doc = {'classes': a.classes, 'pairs': len(s.space), 'n_active': s.n_active, 'population': a.population,
+           'generations': len(gens), 'median_bookkeeping_s': statistics.median(gens), 'bookkeeping_s': gens,
+           'median_checkpoint_s': statistics.median(ckpt[1:]), 'threads': torch.get_num_threads()}
+    print(f"bookkeeping per generation at {a.classes} classes ({len(s.space)} pairs), N={s.n_active}, population "
+          f"{a.population}: median {doc['median_bookkeeping_s']:.3f} s over {len(gens)} generations (model "
+          f"stand-in excluded); checkpoint write median {doc['median_checkpoint_s']:.3f} s")
+    save(a.json, doc)
+
+
+def paper(a):
+    with tempfile.TemporaryDirectory() as out:
+        s, wall = run_search(a.checkpoint, 500, a.generations, 16, out)
+    rows = s.logbook
+    doc = {'population': 500, 'k': 16, 'generations_run': len(rows) - 1, 'wall_s': wall,
+           'seconds_per_generation': [r['seconds'] for r in rows], 'new_genes': [r['new_genes'] for r in rows],
+           'hit_rate': [round(r['cache_hit_rate'], 4) for r in rows], 'forward_images': s.scorer.forward_images}
+    print(f"paper scale (10 classes, population 500, K=16): {len(rows) - 1} generations + the initial population "
+          f"in {wall:.0f} s; seconds per generation {[round(x, 1) for x in doc['seconds_per_generation']]}; "
+          f"new genes {doc['new_genes']}; hit rate {doc['hit_rate']}")
+    save(a.json, doc)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('what', choices=('memo', 'bookkeeping', 'paper'))
+    p.add_argument('--checkpoint', default=None)
+    p.add_argument('--population', type=int, default=None)
+    p.add_argument('--generations', type=int, default=None)
+    p.add_argument('--k', type=int, default=8)
+    p.add_argument('--classes', type=int, default=100)
+    p.add_argument('--json', default=None)
+    a = p.parse_args()
+    if a.what == 'memo':
+        a.population, a.generations = a.population or 100, a.generations or 40
+        memo(a)
+    elif a.what == 'bookkeeping':
+        a.population, a.generations = a.population or 500, a.generations or 10
+        bookkeeping(a)
+    else:
+        a.generations = a.generations or 3
+        paper(a)
+
+
+if __name__ == '__main__':
+    main()
