@@ -257,10 +257,8 @@ def build_dataset(name: str, root: str = '', split: str = 'train', download: boo
 def dataset_num_classes(ds: PILView) -> int:
     if ds.classes:
         return len(ds.classes)
-    base = ds.base
-    for attr in ('num_classes',):
-        if hasattr(base, attr):
-            return int(getattr(base, attr))
+    if hasattr(ds.base, 'num_classes'):
+        return int(ds.base.num_classes)
     raise ValueError('cannot tell the number of classes of this dataset; pass --num-classes')
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 from datetime import datetime
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 import torch

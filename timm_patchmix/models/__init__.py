@@ -1,5 +1,5 @@
 """Models: the patch-head wrapper for any timm backbone and the paper's CIFAR backbones."""
-from . import cifar  # registers the CIFAR backbones with timm before patchhead_* names are derived
+from . import cifar  # noqa: F401  registers the CIFAR backbones with timm before patchhead_* names are derived
 from .cifar import CifarResNet
 from .patchhead import PREFIX, PatchHead, PatchHeadModel, create_patchhead, register_patchhead_models
 

@@ -10,7 +10,7 @@ All have a 3x3 stem at 32x32 and three stages (strides 1, 2, 2), so a 32x32 inpu
 """
 from __future__ import annotations
 
-from typing import List, Optional, Type, Union
+from typing import List, Optional, Type
 
 import torch
 import torch.nn as nn

@@ -9,7 +9,7 @@ and every gene is forwarded once in the whole search.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 import torch
@@ -83,8 +83,7 @@ class GeneScorer:
         self.cache: Dict[int, float] = {}
         self.forward_images = 0
         self.bits = 1 << (grid[0] * grid[1])
-        weights = 1 << torch.arange(grid[0] * grid[1], dtype=torch.long)
-        self._bit_weights = weights
+        self._bit_weights = 1 << torch.arange(grid[0] * grid[1], dtype=torch.long)
 
     def key(self, pair: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return np.asarray(pair, dtype=np.int64) * self.bits + np.asarray(mask, dtype=np.int64)

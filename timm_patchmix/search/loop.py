@@ -7,14 +7,12 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import logging
 import os
 import random
 import signal
-import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
