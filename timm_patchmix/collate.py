@@ -11,7 +11,7 @@ from torch.utils.data import default_collate
 from .grid import GridSpec
 from .mix import PatchMix, PatchMixParams
 
-__all__ = ['FastCollatePatchMix']
+__all__ = ['FastCollatePatchMix', 'FastCollateGuidedPatchMix']
 
 
 class FastCollatePatchMix(FastCollateMixup):
@@ -81,3 +81,31 @@ class FastCollatePatchMix(FastCollateMixup):
 
     def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.apply(batch, self.sample(len(batch)))
+
+
+class FastCollateGuidedPatchMix(FastCollatePatchMix):
+    """The collate form of :class:`~timm_patchmix.guided.GuidedPatchMix`: uint8 batches of clean, random-PatchMix
+    and guided samples. Each loader worker keeps its own per-class memory of recent images."""
+
+    def __init__(self, table, guided_prob: float = 1 / 3, random_prob: float = 1 / 3,
+                 num_classes: Optional[int] = None, label_smoothing: float = 0.0, grid: Optional[GridSpec] = None,
+                 fingerprint: Optional[str] = None, memory_size: int = 4):
+        from .guided import GuidedPatchMix
+        self.guided = GuidedPatchMix(table, guided_prob=guided_prob, random_prob=random_prob,
+                                     num_classes=num_classes, label_smoothing=label_smoothing, grid=grid,
+                                     fingerprint=fingerprint, memory_size=memory_size)
+        super().__init__(grid=self.guided.grid, num_classes=self.guided.num_classes, label_smoothing=label_smoothing)
+
+    @property
+    def mixup_enabled(self) -> bool:
+        return self.mixer.mixup_enabled
+
+    @mixup_enabled.setter
+    def mixup_enabled(self, value: bool) -> None:
+        self.mixer.mixup_enabled = bool(value)
+        if hasattr(self, 'guided'):
+            self.guided.mixup_enabled = bool(value)
+
+    def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        images, target = self.stack(batch)
+        return self.guided(images, target.long())

@@ -1,16 +1,20 @@
-"""The mask table written by ``search.py``: schema, fingerprint, atomic save, validated load."""
+"""The mask table written by ``search.py`` (schema, fingerprint, atomic save, validated load) and the guided
+mixer that trains on it."""
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+import torch
 
 from .checkpoint import atomic_write_text
+from .grid import GridSpec, to_grid
+from .mix import PatchMix, PatchMixParams
 
-__all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION']
+__all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION', 'GuidedPatchMix', 'ClassMemory']
 
 SCHEMA_VERSION = 1
 
@@ -106,3 +110,171 @@ class MaskTable:
             raise MaskTableError(f'mask table {path} was searched on another dataset (fingerprint '
                                  f'{table.fingerprint}, this run {fingerprint})')
         return table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Guided PatchMix: batches of clean, random-PatchMix and guided samples (the paper's fourth phase)
+
+
+class ClassMemory:
+    """The last ``size`` images seen of every class, so a guided sample finds a partner of the class it needs
+    even when the batch holds none (a batch of 128 from 100 classes usually misses the partner class)."""
+
+    def __init__(self, num_classes: int, size: int = 4):
+        self.num_classes, self.size = num_classes, size
+        self.images: Optional[torch.Tensor] = None  # [num_classes, size, C, H, W]
+        self.count = torch.zeros(num_classes, dtype=torch.long)
+        self.next = torch.zeros(num_classes, dtype=torch.long)
+
+    def update(self, x: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.images is None or self.images.shape[2:] != x.shape[1:] or self.images.device != x.device \
+                or self.images.dtype != x.dtype:
+            self.images = torch.empty((self.num_classes, self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self.count.zero_()
+            self.next.zero_()
+        lab = labels.cpu().long()
+        n = len(lab)
+        order = torch.sort(lab, stable=True).indices                      # samples grouped by class, in order
+        sorted_lab = lab[order]
+        counts = torch.bincount(lab, minlength=self.num_classes)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(n) - starts[sorted_lab]                         # position within its class
+        keep = rank >= counts[sorted_lab] - self.size                       # the last `size` of each class
+        idx, cls, rank = order[keep], sorted_lab[keep], rank[keep] - (counts[sorted_lab[keep]] - self.size).clamp(min=0)
+        slots = (self.next[cls] + rank) % self.size
+        dev = x.device
+        self.images[cls.to(dev), slots.to(dev)] = x[idx.to(dev)]
+        added = torch.bincount(cls, minlength=self.num_classes)
+        self.next = (self.next + added) % self.size
+        self.count = torch.clamp(self.count + added, max=self.size)
+
+    def has(self, c: int) -> bool:
+        return bool(self.count[c] > 0)
+
+    def pick(self, c: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        k = int(torch.randint(int(self.count[c]), (1,), generator=generator))
+        return self.images[c, k]
+
+
+class GuidedPatchMix:
+    """Mix a batch into clean, random-PatchMix and guided samples, used like ``PatchMix``.
+
+    A guided sample of class c takes a searched pair (c, d) or (d, c) from the mask table, a partner image of class d
+    (from the batch, else from a per-class memory of recent images) and that pair's mask. Eligible samples (a class in
+    the table and a partner available) are chosen with probability ``guided_prob * B / eligible`` so that the guided
+    fraction of the batch meets ``guided_prob`` even when some classes have no pair. ``random_prob`` of the batch gets
+    random PatchMix; the rest stays clean. Targets are packed like ``PatchMix``'s (see ``split_target``).
+
+    Defaults: a third each, the paper's three sources of training samples (originals, random masks, searched
+    masks) given equal weight.
+    """
+
+    def __init__(self, table: Union[MaskTable, str], guided_prob: float = 1 / 3, random_prob: float = 1 / 3,
+                 num_classes: Optional[int] = None, label_smoothing: float = 0.0, grid: Optional[GridSpec] = None,
+                 fingerprint: Optional[str] = None, memory_size: int = 4, alpha: float = 1.0):
+        if isinstance(table, str):
+            table = MaskTable.load(table, grid=to_grid(grid) if grid is not None else None,
+                                   num_classes=num_classes, fingerprint=fingerprint)
+        else:
+            if grid is not None and to_grid(grid) != table.grid:
+                raise MaskTableError(f'mask table grid {table.grid} differs from the run grid {to_grid(grid)}')
+            if num_classes is not None and num_classes != table.num_classes:
+                raise MaskTableError(f'mask table is for {table.num_classes} classes, this run has {num_classes}')
+            if fingerprint is not None and fingerprint != table.fingerprint:
+                raise MaskTableError('mask table was searched on another dataset')
+        if not (0 <= guided_prob <= 1 and 0 <= random_prob <= 1 and guided_prob + random_prob <= 1):
+            raise ValueError(f'guided_prob ({guided_prob}) and random_prob ({random_prob}) must lie in [0, 1] and '
+                             f'sum to at most 1')
+        self.table = table
+        self.guided_prob, self.random_prob = float(guided_prob), float(random_prob)
+        self.num_classes = table.num_classes
+        self.mixer = PatchMix(grid=table.grid, alpha=alpha, prob=1.0, mode='elem', label_smoothing=label_smoothing,
+                              num_classes=self.num_classes)
+        self.memory = ClassMemory(self.num_classes, memory_size)
+        # for every class, the table entries it takes part in, as (partner class, keep mask for this class)
+        self.options: List[List[Tuple[int, torch.Tensor]]] = [[] for _ in range(self.num_classes)]
+        for (i, j), m in zip(table.pairs, table.masks):
+            mt = torch.as_tensor(np.asarray(m, dtype=bool))
+            self.options[i].append((j, mt))
+            if i != j:
+                self.options[j].append((i, ~mt))
+        self.mixup_enabled = True
+        self.last_counts = {'clean': 0, 'random': 0, 'guided': 0}
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        return self.table.grid
+
+    def sample(self, labels: torch.Tensor, *, generator: Optional[torch.Generator] = None
+               ) -> Tuple[PatchMixParams, torch.Tensor, List[int]]:
+        """Params for a batch with class ``labels [B]``: ``(params over B + extra, guided flags [B], memory classes)``.
+
+        Partners with index >= B refer to extra images appended from the class memory, in the order of the returned
+        class list.
+        """
+        lab = labels.cpu().tolist()
+        b = len(lab)
+        rows, cols = self.grid
+        base = self.mixer.sample(b, generator=generator)
+        partner, mask = base.partner.clone(), base.mask.clone()
+        guided = torch.zeros(b, dtype=torch.bool)
+        if not self.mixup_enabled:
+            return PatchMixParams.identity(b, self.grid), guided, []
+        by_class: Dict[int, List[int]] = {}
+        for i, c in enumerate(lab):
+            by_class.setdefault(c, []).append(i)
+
+        def available(c):
+            return bool(self.options[c]) and any(bool(by_class.get(d)) or self.memory.has(d) for d, _ in self.options[c])
+        eligible = [i for i, c in enumerate(lab) if available(c)]
+        u = torch.rand(b, generator=generator)
+        p_guided = min(1.0, self.guided_prob * b / len(eligible)) if eligible else 0.0
+        extra: List[int] = []
+        for i in eligible:
+            if float(u[i]) >= p_guided:
+                continue
+            c = lab[i]
+            opts = [(d, m) for d, m in self.options[c] if by_class.get(d) or self.memory.has(d)]
+            d, m = opts[int(torch.randint(len(opts), (1,), generator=generator))]
+            in_batch = [j for j in by_class.get(d, []) if j != i]
+            if in_batch:
+                partner[i] = in_batch[int(torch.randint(len(in_batch), (1,), generator=generator))]
+            elif self.memory.has(d):
+                partner[i] = b + len(extra)
+                extra.append(d)
+            else:
+                continue
+            mask[i] = m
+            guided[i] = True
+        # the rest: random PatchMix with random_prob of the whole batch, clean otherwise
+        rest = (~guided).nonzero().flatten()
+        if len(rest):
+            p_random = min(1.0, self.random_prob * b / len(rest))
+            clean = rest[torch.rand(len(rest), generator=generator) >= p_random]
+            partner[clean] = clean
+            mask[clean] = True
+        n_extra = len(extra)
+        if n_extra:
+            partner = torch.cat([partner, torch.arange(b, b + n_extra)])
+            mask = torch.cat([mask, torch.ones(n_extra, rows, cols, dtype=torch.bool)])
+        return PatchMixParams(partner, mask), guided, extra
+
+    def __call__(self, x: torch.Tensor, target: torch.Tensor,
+                 generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Mix ``x [B, C, H, W]`` with class-index ``target [B]``; returns ``(x_mixed, packed_target)``."""
+        if not isinstance(target, torch.Tensor) or target.ndim != 1:
+            raise ValueError('GuidedPatchMix needs class-index targets [B] to find partners by class')
+        b = x.shape[0]
+        params, guided, extra = self.sample(target, generator=generator)
+        if extra:
+            mem = torch.stack([self.memory.pick(c, generator) for c in extra]).to(x.device)
+            x_src = torch.cat([x, mem])
+            y_src = torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)])
+        else:
+            x_src, y_src = x, target
+        mixed, packed = self.mixer.apply(x_src, y_src, params.to(x.device))
+        self.memory.update(x, target)
+        n_guided = int(guided.sum())
+        n_clean = int((params.mask[:b].flatten(1).all(1) & ~guided).sum())
+        self.last_counts = {'guided': n_guided, 'clean': n_clean, 'random': b - n_guided - n_clean}
+        return mixed[:b], packed[:b]

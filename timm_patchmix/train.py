@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--no-image-loss', action='store_true', default=False)
     g.add_argument('--patch-loss-weight', type=float, default=1.0)
     g.add_argument('--per-position-head', action='store_true', default=False)
+    g.add_argument('--patchmix-table', default='', help='mask table from search.py: train on guided samples')
+    g.add_argument('--guided-prob', type=float, default=1 / 3, help='fraction of each batch that is guided')
+    g.add_argument('--random-prob', type=float, default=1 / 3,
+                   help='fraction of each batch mixed by random PatchMix when a table is given (the rest is clean)')
     g = p.add_argument_group('Running')
     g.add_argument('--amp', action='store_true', default=False)
     g.add_argument('--amp-dtype', default='float16', choices=('float16', 'bfloat16'))
@@ -314,10 +318,23 @@ def build_loaders(args, train_ds, val_ds, model, num_classes: int, device):
         from .mix import PatchMix
         pargs = dict(grid=args.grid, alpha=args.patchmix_alpha, prob=args.patchmix_prob, mode=args.patchmix_mode,
                      label_smoothing=args.smoothing, num_classes=num_classes)
-        if args.patchmix and args.patchmix_collate:
-            if not prefetch:
-                raise SystemExit('--patchmix-collate mixes uint8 batches in the collate step and needs the '
-                                 'prefetcher; drop --no-prefetcher or --patchmix-collate')
+        if args.patchmix and args.patchmix_collate and not prefetch:
+            raise SystemExit('--patchmix-collate mixes uint8 batches in the collate step and needs the '
+                             'prefetcher; drop --no-prefetcher or --patchmix-collate')
+        if args.patchmix and args.patchmix_table:
+            from .collate import FastCollateGuidedPatchMix
+            from .guided import GuidedPatchMix, MaskTableError, dataset_fingerprint
+            gargs = dict(guided_prob=args.guided_prob, random_prob=args.random_prob, num_classes=num_classes,
+                         label_smoothing=args.smoothing, grid=args.grid,
+                         fingerprint=dataset_fingerprint(args.dataset, train_ds.classes))
+            try:
+                if args.patchmix_collate:
+                    collate = FastCollateGuidedPatchMix(args.patchmix_table, **gargs)
+                else:
+                    mixer = GuidedPatchMix(args.patchmix_table, **gargs)
+            except (MaskTableError, ValueError) as e:
+                raise SystemExit(f'error: {e}') from None
+        elif args.patchmix and args.patchmix_collate:
             collate = FastCollatePatchMix(**pargs)
         else:
             mixer = PatchMix(**pargs)
@@ -483,6 +500,8 @@ def main(argv=None) -> Dict[str, Any]:
     device = init_distributed(args)
     seed_everything(args.seed + args.rank)
 
+    if args.patchmix_table and not args.patchmix:
+        raise SystemExit('error: --patchmix-table trains on guided PatchMix samples; add --patchmix')
     if args.patchmix and (args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None):
         raise SystemExit('--patchmix and --mixup/--cutmix are alternatives; choose one')
     try:
@@ -585,7 +604,8 @@ def main(argv=None) -> Dict[str, Any]:
         'data': {'dataset': args.dataset, 'data_dir': args.data_dir, 'val_split': args.val_split,
                  'input_size': list(data_config['input_size']), 'mean': list(data_config['mean']),
                  'std': list(data_config['std'])},
-        'patchmix': {'enabled': args.patchmix, 'grid': list(args.grid)} if args.is_patchhead or args.patchmix
+        'patchmix': {'enabled': args.patchmix, 'grid': list(args.grid), 'table': args.patchmix_table or None}
+        if args.is_patchhead or args.patchmix
         else None,
         'command': ' '.join(['train.py'] + (list(argv) if argv is not None else sys.argv[1:])),
     }

@@ -1,0 +1,108 @@
+"""GuidedPatchMix: guided samples follow the table, the requested fraction is met, train.py uses it."""
+import numpy as np
+import pytest
+import torch
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix import split_target
+from timm_patchmix.collate import FastCollateGuidedPatchMix
+from timm_patchmix.data import PATCHSHAPES_CLASSES
+from timm_patchmix.guided import GuidedPatchMix, MaskTable, MaskTableError, dataset_fingerprint
+from timm_patchmix.train import main as train_main
+
+
+def random_table(num_classes, n_pairs, seed=0, grid=(4, 4)):
+    rng = np.random.default_rng(seed)
+    pairs = set()
+    while len(pairs) < n_pairs:
+        i, j = sorted(rng.choice(num_classes, 2, replace=False).tolist())
+        pairs.add((i, j))
+    pairs = sorted(pairs)
+    return MaskTable(grid, num_classes, [str(c) for c in range(num_classes)], 'fp', pairs,
+                     [rng.random(grid) < 0.5 for _ in pairs], [0.1] * n_pairs, 0.1)
+
+
+def test_guided_samples_follow_the_table_pixel_exact():
+    table = random_table(10, 10, seed=1)
+    mixer = GuidedPatchMix(table, guided_prob=0.6, random_prob=0.2)
+    gen = torch.Generator().manual_seed(0)
+    entries = {(i, j): m for (i, j), m in zip(table.pairs, table.masks)}
+    seen = 0
+    for _ in range(8):
+        y = torch.randint(0, 10, (24,), generator=gen)
+        x = torch.rand(24, 3, 8, 8, generator=gen)
+        params, guided, extra = mixer.sample(y, generator=gen)
+        y_src = torch.cat([y, torch.tensor(extra, dtype=y.dtype)])
+        for i in guided.nonzero().flatten().tolist():
+            ci, cd = int(y[i]), int(y_src[params.partner[i]])
+            if (ci, cd) in entries:
+                assert np.array_equal(params.mask[i].numpy(), entries[(ci, cd)])
+            else:
+                assert np.array_equal(params.mask[i].numpy(), ~entries[(cd, ci)])
+            seen += 1
+        mixer.memory.update(x, y)
+        mem = [mixer.memory.pick(c) for c in extra]
+        x_src = torch.cat([x, torch.stack(mem)]) if mem else x
+        out, packed = mixer.mixer.apply(x_src, y_src, params)
+        for i in range(24):  # pixel semantics of PatchMix, 2x2 pixel cells
+            for r in range(4):
+                for c in range(4):
+                    src = i if params.mask[i, r, c] else int(params.partner[i])
+                    assert torch.equal(out[i, :, 2 * r:2 * r + 2, 2 * c:2 * c + 2],
+                                       x_src[src, :, 2 * r:2 * r + 2, 2 * c:2 * c + 2])
+        image_t, patch_t = split_target(packed[:24])
+        assert torch.allclose(image_t.sum(1), torch.ones(24))
+    assert seen > 40
+
+
+@pytest.mark.parametrize('form', ['tensor', 'collate'])
+def test_realised_guided_fraction_100_classes_batch_128(form):
+    table = random_table(100, 100)
+    gen = torch.Generator().manual_seed(0)
+    requested = 0.5
+    if form == 'tensor':
+        mixer = GuidedPatchMix(table, guided_prob=requested, random_prob=0.25)
+    else:
+        collate = FastCollateGuidedPatchMix(table, guided_prob=requested, random_prob=0.25)
+        mixer = collate.guided
+    fractions, clean, rand = [], [], []
+    for step in range(50):
+        y = torch.randint(0, 100, (128,), generator=gen)
+        if form == 'tensor':
+            mixer(torch.rand(128, 3, 16, 16, generator=gen), y, generator=gen)
+        else:
+            imgs = torch.randint(0, 256, (128, 3, 16, 16), dtype=torch.uint8, generator=gen)
+            out, packed = collate([(imgs[i].numpy(), int(y[i])) for i in range(128)])
+            assert out.dtype == torch.uint8 and packed.shape == (128, 3 + 200 + 16)
+        if step >= 5:  # once the class memory has seen most classes
+            fractions.append(mixer.last_counts['guided'] / 128)
+            clean.append(mixer.last_counts['clean'] / 128)
+            rand.append(mixer.last_counts['random'] / 128)
+    assert abs(np.mean(fractions) - requested) <= 0.02, np.mean(fractions)
+    assert abs(np.mean(rand) - 0.25) <= 0.03 and abs(np.mean(clean) - 0.25) <= 0.03
+
+
+def test_table_validation_against_the_run(tmp_path):
+    fp = dataset_fingerprint('', PATCHSHAPES_CLASSES)
+    t = random_table(10, 5)
+    t.class_names, t.fingerprint = list(PATCHSHAPES_CLASSES), fp
+    path = str(tmp_path / 'masks.json')
+    t.save(path)
+    with pytest.raises(MaskTableError, match='4x4 grid, this run uses 2x2'):
+        GuidedPatchMix(path, grid=2)
+    with pytest.raises(MaskTableError, match='another dataset'):
+        GuidedPatchMix(path, fingerprint='0000')
+    with pytest.raises(ValueError, match='sum to at most 1'):
+        GuidedPatchMix(path, guided_prob=0.8, random_prob=0.5)
+    common = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1',
+              '--output', str(tmp_path), '--patchmix']
+    for extra in ([], ['--patchmix-collate']):
+        res = train_main(common + ['--patchmix-table', path, '--experiment', 'g' + ''.join(extra)] + extra)
+        assert len(res['rows']) == 1
+    with pytest.raises(SystemExit, match='searched for a 4x4 grid, this run uses 2x2'):
+        train_main(common + ['--patchmix-table', path, '--patchmix-grid', '2', '--experiment', 'bad'])
+    with pytest.raises(SystemExit, match='add --patchmix'):
+        train_main(common[:-1] + ['--patchmix-table', path, '--experiment', 'bad2'])
+    open(path, 'w').write('{"schema_version": 1,')
+    with pytest.raises(SystemExit, match='not valid JSON'):
+        train_main(common + ['--patchmix-table', path, '--experiment', 'bad3'])
