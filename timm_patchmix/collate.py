@@ -31,13 +31,18 @@ class FastCollatePatchMix(FastCollateMixup):
         super().__init__(mixup_alpha=0.0, cutmix_alpha=0.0, prob=prob, mode=mode,
                          label_smoothing=label_smoothing, num_classes=num_classes)
 
+    def _switched(self):
+        """The mixers that ``mixup_enabled`` switches on and off."""
+        return [self.mixer]
+
     @property
     def mixup_enabled(self) -> bool:
         return self.mixer.mixup_enabled
 
     @mixup_enabled.setter
     def mixup_enabled(self, value: bool) -> None:
-        self.mixer.mixup_enabled = bool(value)
+        for m in self._switched():
+            m.mixup_enabled = bool(value)
 
     @property
     def grid(self) -> Tuple[int, int]:
@@ -96,15 +101,8 @@ class FastCollateGuidedPatchMix(FastCollatePatchMix):
                                      fingerprint=fingerprint, memory_size=memory_size)
         super().__init__(grid=self.guided.grid, num_classes=self.guided.num_classes, label_smoothing=label_smoothing)
 
-    @property
-    def mixup_enabled(self) -> bool:
-        return self.mixer.mixup_enabled
-
-    @mixup_enabled.setter
-    def mixup_enabled(self, value: bool) -> None:
-        self.mixer.mixup_enabled = bool(value)
-        if hasattr(self, 'guided'):
-            self.guided.mixup_enabled = bool(value)
+    def _switched(self):
+        return [self.mixer, self.guided]
 
     def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
         images, target = self.stack(batch)

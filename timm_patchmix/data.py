@@ -89,7 +89,20 @@ def make_patchshapes(num_samples: int, seed: int, size: int = 32) -> Tuple[np.nd
     return np.clip(img, 0, 255).round().astype(np.uint8), labels
 
 
-class PatchShapes(Dataset):
+class _LabelledImages(Dataset):
+    """Images in a numpy array with ``targets`` and ``classes``."""
+    classes: Tuple[str, ...] = ()
+    targets: list
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+
+class PatchShapes(_LabelledImages):
     """The embedded default dataset: 10 classes of coloured shapes, 32x32 RGB, generated from a seed.
 
     ``split='train'`` holds 5,000 images and ``'validation'`` 1,000 by default, with disjoint seeds. Items are
@@ -111,13 +124,6 @@ class PatchShapes(Dataset):
         self.images, targets = make_patchshapes(num_samples, self._seeds[split], size)
         self.targets = targets.tolist()
         _logger.debug('generated patchshapes/%s: %d images of %dx%d', split, num_samples, size, size)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
-    def __len__(self) -> int:
-        return len(self.targets)
 
     def __getitem__(self, index: int):
         img, target = self.images[index], self.targets[index]
@@ -151,7 +157,7 @@ def read_idx(path: str) -> np.ndarray:
     return body.reshape(dims)
 
 
-class FashionMNISTFiles(Dataset):
+class FashionMNISTFiles(_LabelledImages):
     """Fashion-MNIST read from its original IDX files (``.gz`` or not) under ``root``; no network.
 
     Items are ``(PIL.Image 'L' 28x28, label)``, through ``transform`` when set.
@@ -179,13 +185,6 @@ class FashionMNISTFiles(Dataset):
         self.targets = read_idx(paths[1]).astype(np.int64).tolist()
         self.transform = transform
         self.split = key
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
-    def __len__(self) -> int:
-        return len(self.targets)
 
     def __getitem__(self, index: int):
         from PIL import Image
