@@ -330,7 +330,7 @@ class Search:
         w.writerows(self.logbook)
         atomic_write_text(os.path.join(out, 'logbook.csv'), buf.getvalue())
         if not self.args.no_plots:
-            plot_fitness(self.logbook, os.path.join(out, 'fitness.png'), self.args.fitness)
+            plot_fitness(self.logbook, os.path.join(out, 'fitness.png'), self.args.fitness, self.args.score)
             plot_pairs(table, os.path.join(out, 'pairs.png'))
 
 
@@ -348,7 +348,7 @@ def _save_fig(fig, path: str) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def plot_fitness(logbook: List[Dict[str, Any]], path: str, direction: str) -> None:
+def plot_fitness(logbook: List[Dict[str, Any]], path: str, direction: str, score: str = 'accuracy') -> None:
     """Best and mean fitness per generation (the paper's Figure 5)."""
     import matplotlib
     matplotlib.use('Agg')
@@ -358,7 +358,8 @@ def plot_fitness(logbook: List[Dict[str, Any]], path: str, direction: str) -> No
     ax.plot(gens, [r['hof_best'] for r in logbook], label='best (hall of fame)')
     ax.plot(gens, [r['mean'] for r in logbook], label='population mean')
     ax.set_xlabel('generation')
-    ax.set_ylabel('fitness: patch accuracy of f_T' + (' (lower = harder)' if direction == 'min' else ''))
+    what = 'patch accuracy' if score == 'accuracy' else 'patch cross-entropy'
+    ax.set_ylabel(f'fitness: {what} of f_T (' + ('lower' if direction == 'min' else 'higher') + ' is selected)')
     ax.legend()
     ax.grid(alpha=0.3)
     _save_fig(fig, path)
