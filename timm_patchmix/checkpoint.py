@@ -33,6 +33,9 @@ def _atomic(path: str, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp', dir=folder)
     os.close(fd)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode a plain open() would
         write(tmp)
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())

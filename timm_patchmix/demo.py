@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-import tempfile
 
 import torch
 from PIL import Image, ImageDraw
 
+from .checkpoint import atomic_write_bytes, atomic_write_text
 from .data import PatchShapes
 from .grid import cell_bounds
 from .mix import PatchMix, split_target
@@ -71,12 +72,10 @@ def main(argv=None) -> int:
     picture = render_grid(batch, batch[params.partner], mixed, params.mask, labels.tolist(), image_t,
                           ds.classes, mixer.grid)
 
-    os.makedirs(args.output, exist_ok=True)
     png = os.path.join(args.output, 'patchmix_samples.png')
-    fd, tmp = tempfile.mkstemp(suffix='.png', dir=args.output)
-    os.close(fd)
-    picture.save(tmp, format='PNG')
-    os.replace(tmp, png)
+    buf = io.BytesIO()
+    picture.save(buf, format='PNG')
+    atomic_write_bytes(png, buf.getvalue())
     record = {
         'grid': list(mixer.grid), 'mode': args.mode, 'seed': args.seed,
         'samples': [{'label': ds.classes[int(labels[i])], 'partner_label': ds.classes[int(labels[params.partner[i]])],
@@ -84,10 +83,7 @@ def main(argv=None) -> int:
                      'target': {ds.classes[k]: round(float(v), 6) for k, v in enumerate(image_t[i]) if v > 0}}
                     for i in range(args.num)],
     }
-    fd, tmp = tempfile.mkstemp(suffix='.json', dir=args.output)
-    with os.fdopen(fd, 'w') as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, os.path.join(args.output, 'patchmix_samples.json'))
+    atomic_write_text(os.path.join(args.output, 'patchmix_samples.json'), json.dumps(record, indent=1))
     print(f'wrote {png} ({args.num} samples, grid {mixer.grid[0]}x{mixer.grid[1]}, mode {args.mode})')
     return 0
 
