@@ -142,8 +142,8 @@ def test_fashion_mnist_idx_files_greyscale(tmp_path, in_chans):
     assert np.array_equal(read_idx(str(data / 't10k-labels-idx1-ubyte.gz')), np.arange(40) % 10)
     res = main(['--dataset', 'fashion_mnist', '--data-dir', str(data), '--in-chans', str(in_chans), '-b', '16',
                 '-j', '0', '--epochs', '1', '--no-progress', '--output', str(tmp_path), '--experiment', 'fm',
-                '--model', 'patchhead_resnet32_cifar', '--patchmix'])
-    assert len(res['rows']) == 1
+                '--model', 'patchhead_resnet32_cifar', '--patchmix', '--fgsm', '0.1'])
+    assert len(res['rows']) == 1 and set(res['fgsm']) == {0.0, 0.1}
     weights = load_file(os.path.join(res['output'], 'last.safetensors'))
     assert weights['backbone.conv1.weight'].shape[1] == in_chans
     with pytest.raises(FileNotFoundError, match='apt-get install -y dataset-fashion-mnist'):

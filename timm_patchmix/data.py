@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'PILView', 'build_dataset',
-           'dataset_num_classes', 'small_image_transform', 'read_idx']
+           'dataset_num_classes', 'small_image_transform', 'pixel_transform', 'read_idx']
 
 _logger = logging.getLogger(__name__)
 
@@ -266,8 +266,9 @@ def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_p
     """CIFAR-style transform for small images: resize to ``img_size`` if needed, then (training) a random crop
     with padding and a horizontal flip. Ends in uint8 CHW numpy for the prefetcher, or a normalised tensor."""
     from torchvision import transforms as T
+    from timm.data.loader import adapt_to_chs
     from timm.data.transforms import ToNumpy
-    ops = [T.Lambda(lambda im: im.convert('L' if in_chans == 1 else 'RGB'))]
+    ops = [T.Lambda(_ImageMode(in_chans))]
     ops.append(T.Resize(img_size, interpolation=T.InterpolationMode.BILINEAR))
     ops.append(T.CenterCrop(img_size))
     if is_training:
@@ -276,6 +277,21 @@ def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_p
     if use_prefetcher:
         ops.append(ToNumpy())
     else:
-        ops += [T.ToTensor(), T.Normalize(mean[:in_chans] if len(mean) >= in_chans else mean * in_chans,
-                                          std[:in_chans] if len(std) >= in_chans else std * in_chans)]
+        ops += [T.ToTensor(), T.Normalize(adapt_to_chs(mean, in_chans), adapt_to_chs(std, in_chans))]
     return T.Compose(ops)
+
+
+class _ImageMode:
+    """PIL image -> 'L' for one channel, 'RGB' otherwise (a picklable transform step for loader workers)."""
+
+    def __init__(self, in_chans: int):
+        self.mode = 'L' if in_chans == 1 else 'RGB'
+
+    def __call__(self, img):
+        return img.convert(self.mode)
+
+
+def pixel_transform(in_chans: int, height: int, width: int):
+    """PIL image -> float tensor ``[in_chans, height, width]`` in [0, 1], no augmentation and no normalisation."""
+    from torchvision import transforms as T
+    return T.Compose([T.Lambda(_ImageMode(in_chans)), T.Resize((height, width)), T.ToTensor()])

@@ -20,13 +20,16 @@ __all__ = ['fgsm_accuracy', 'main']
 
 
 class Normalized(nn.Module):
-    """``model((x - mean) / std)`` for pixel-space inputs in [0, 1]."""
+    """``model((x - mean) / std)`` for pixel-space inputs in [0, 1] with ``chans`` channels (statistics given for
+    another channel count are adapted as timm's loaders do)."""
 
-    def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float]):
+    def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float], chans: int):
+        from timm.data.loader import adapt_to_chs
         super().__init__()
         self.model = model
-        self.register_buffer('mean', torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
-        self.register_buffer('std', torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+        for name, values in (('mean', mean), ('std', std)):
+            stats = torch.tensor(adapt_to_chs(tuple(values), chans), dtype=torch.float32)
+            self.register_buffer(name, stats.view(1, -1, 1, 1))
 
     def forward(self, x):
         return self.model((x - self.mean) / self.std)
@@ -35,11 +38,13 @@ class Normalized(nn.Module):
 def fgsm_accuracy(model: nn.Module, loader: Iterable, eps_list: Sequence[float], mean, std,
                   device=torch.device('cpu')) -> Dict[float, float]:
     """Top-1 accuracy (%) for each eps on ``loader``'s ``(x in [0, 1], y)`` batches; eps 0 is clean accuracy."""
-    net = Normalized(model, mean, std).to(device).eval()
+    net = None
     correct = {float(e): 0 for e in eps_list}
     total = 0
     for x, y in loader:
         x, y = x.to(device).float(), y.to(device)
+        if net is None:
+            net = Normalized(model, mean, std, x.shape[1]).to(device).eval()
         x.requires_grad_(True)
         loss = F.cross_entropy(net(x), y)
         grad, = torch.autograd.grad(loss, x)
@@ -54,10 +59,9 @@ def fgsm_accuracy(model: nn.Module, loader: Iterable, eps_list: Sequence[float],
 
 def main(argv=None) -> int:
     from timm.data import resolve_data_config
-    from torchvision import transforms as T
 
     from .checkpoint import atomic_write_text
-    from .data import build_dataset
+    from .data import build_dataset, pixel_transform
     from .hub import model_from_weights
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,10 +83,7 @@ def main(argv=None) -> int:
                        args.val_split or data.get('val_split', 'validation'),
                        subset=args.val_subset)
     cfg = resolve_data_config({}, model=model)
-    size = data.get('input_size', cfg['input_size'])
-    in_chans = size[0]
-    ds.transform = T.Compose([T.Lambda(lambda im: im.convert('L' if in_chans == 1 else 'RGB')),
-                              T.Resize(size[1:]), T.ToTensor()])
+    ds.transform = pixel_transform(*data.get('input_size', cfg['input_size']))
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),
                         data.get('std', cfg['std']), torch.device(args.device))

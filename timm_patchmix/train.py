@@ -666,14 +666,11 @@ def main(argv=None) -> Dict[str, Any]:
 
 
 def run_fgsm(args, model, val_ds, data_config, device, out_dir) -> Dict[str, float]:
-    from torchvision import transforms as T
     from .checkpoint import atomic_write_text
+    from .data import pixel_transform
     from .robustness import fgsm_accuracy
-    in_chans, h, w = data_config['input_size']
-    ds = val_ds
-    ds.transform = T.Compose([T.Lambda(lambda im: im.convert('L' if in_chans == 1 else 'RGB')),
-                              T.Resize((h, w)), T.ToTensor()])
-    loader = torch.utils.data.DataLoader(ds, batch_size=args.validation_batch_size or args.batch_size)
+    val_ds.transform = pixel_transform(*data_config['input_size'])
+    loader = torch.utils.data.DataLoader(val_ds, batch_size=args.validation_batch_size or args.batch_size)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.fgsm), data_config['mean'], data_config['std'], device)
     atomic_write_text(os.path.join(out_dir, 'fgsm.json'), json.dumps({str(k): v for k, v in res.items()}, indent=1))
     for e, acc in res.items():

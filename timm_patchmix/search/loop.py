@@ -65,13 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_images(ds, data_meta: Dict[str, Any], device) -> torch.Tensor:
-    from torchvision import transforms as T
-    c, h, w = data_meta['input_size']
-    mean = torch.tensor(data_meta['mean'][:c] if len(data_meta['mean']) >= c else data_meta['mean'] * c)
-    std = torch.tensor(data_meta['std'][:c] if len(data_meta['std']) >= c else data_meta['std'] * c)
-    ds.transform = T.Compose([T.Lambda(lambda im: im.convert('L' if c == 1 else 'RGB')), T.Resize((h, w)),
-                              T.PILToTensor()])
-    x = torch.stack([ds[i][0] for i in range(len(ds))]).float().div_(255)
+    from timm.data.loader import adapt_to_chs
+    from ..data import pixel_transform
+    c = data_meta['input_size'][0]
+    mean = torch.tensor(adapt_to_chs(data_meta['mean'], c))
+    std = torch.tensor(adapt_to_chs(data_meta['std'], c))
+    ds.transform = pixel_transform(*data_meta['input_size'])
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
     x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
     return x.to(device)
 
