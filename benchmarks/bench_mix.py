@@ -24,6 +24,7 @@ from timm.data.loader import fast_collate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 from timm_patchmix import FastCollatePatchMix, PatchMix  # noqa: E402
+from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 
 
 def timed(fn, sync) -> float:
@@ -104,11 +105,7 @@ def main() -> None:
             print(f'  {k:26s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
 
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + '.tmp'
-        with open(tmp, 'w') as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write_text(args.json, json.dumps(result, indent=1))
         print(f'saved {args.json}')
 
 

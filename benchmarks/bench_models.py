@@ -24,6 +24,7 @@ import timm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402
 from timm_patchmix import PatchMix, PatchMixLoss  # noqa: E402
+from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 
 
 def step_time(arch: str, batch: int, size: int, repeats: int, num_classes: int, device) -> dict:
@@ -113,10 +114,7 @@ def main() -> None:
           f"{len(imp['samples_ms'])}); registering {imp['registered']} patchhead_* names takes "
           f"{imp['register_ms']:.1f} ms of it")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json + '.tmp', 'w') as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.json + '.tmp', args.json)
+        atomic_write_text(args.json, json.dumps(results, indent=1))
         print(f'saved {args.json}')
 
 

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
+from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 from timm_patchmix.search.fitness import GeneScorer  # noqa: E402
 from timm_patchmix.search.genome import PairSpace  # noqa: E402
 from timm_patchmix.search.loop import Search, build_parser  # noqa: E402
@@ -38,10 +39,7 @@ from timm_patchmix.search.loop import Search, build_parser  # noqa: E402
 
 def save(path, doc):
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + '.tmp', 'w') as f:
-            json.dump(doc, f, indent=1)
-        os.replace(path + '.tmp', path)
+        atomic_write_text(path, json.dumps(doc, indent=1))
         print(f'saved {path}')
 
 

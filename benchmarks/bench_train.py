@@ -16,6 +16,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
+from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 from timm_patchmix.train import main as train_main  # noqa: E402
 
 
@@ -49,10 +50,7 @@ def main() -> None:
     print(f'--cutmix on {args.model}: {mc:.1f} img/s; --patchmix on patchhead_{args.model}: {mp:.1f} img/s; '
           f'ratio {mp / mc:.3f} (median of {args.repeats})')
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json + '.tmp', 'w') as f:
-            json.dump(res, f, indent=1)
-        os.replace(args.json + '.tmp', args.json)
+        atomic_write_text(args.json, json.dumps(res, indent=1))
 
 
 if __name__ == '__main__':

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Dict, Iterable, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -57,10 +57,19 @@ def fgsm_accuracy(model: nn.Module, loader: Iterable, eps_list: Sequence[float],
     return {e: 100.0 * c / max(total, 1) for e, c in correct.items()}
 
 
+def report(results: Dict[float, float], out_dir: Optional[str] = None) -> None:
+    """Print the accuracies and, with ``out_dir``, write them to ``out_dir/fgsm.json`` (atomically)."""
+    from .checkpoint import atomic_write_text
+    for e, acc in results.items():
+        print(f'FGSM eps={e:g}: top-1 {acc:.2f}%')
+    if out_dir:
+        atomic_write_text(os.path.join(out_dir, 'fgsm.json'),
+                          json.dumps({str(k): v for k, v in results.items()}, indent=1))
+
+
 def main(argv=None) -> int:
     from timm.data import resolve_data_config
 
-    from .checkpoint import atomic_write_text
     from .data import build_dataset, pixel_transform
     from .hub import model_from_weights
 
@@ -87,11 +96,7 @@ def main(argv=None) -> int:
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),
                         data.get('std', cfg['std']), torch.device(args.device))
-    for e, acc in res.items():
-        print(f'FGSM eps={e:g}: top-1 {acc:.2f}%')
-    if args.output:
-        atomic_write_text(os.path.join(args.output, 'fgsm.json'),
-                          json.dumps({str(k): v for k, v in res.items()}, indent=1))
+    report(res, args.output)
     return 0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import logging
 import math
 import os
@@ -666,15 +665,12 @@ def main(argv=None) -> Dict[str, Any]:
 
 
 def run_fgsm(args, model, val_ds, data_config, device, out_dir) -> Dict[str, float]:
-    from .checkpoint import atomic_write_text
     from .data import pixel_transform
-    from .robustness import fgsm_accuracy
+    from .robustness import fgsm_accuracy, report
     val_ds.transform = pixel_transform(*data_config['input_size'])
     loader = torch.utils.data.DataLoader(val_ds, batch_size=args.validation_batch_size or args.batch_size)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.fgsm), data_config['mean'], data_config['std'], device)
-    atomic_write_text(os.path.join(out_dir, 'fgsm.json'), json.dumps({str(k): v for k, v in res.items()}, indent=1))
-    for e, acc in res.items():
-        print(f'FGSM eps={e:g}: top-1 {acc:.2f}%')
+    report(res, out_dir)
     return res
 
 

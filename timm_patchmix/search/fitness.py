@@ -8,7 +8,6 @@ and every gene is forwarded once in the whole search.
 """
 from __future__ import annotations
 
-import logging
 from typing import Dict, Tuple
 
 import numpy as np
@@ -19,8 +18,6 @@ import torch.nn.functional as F
 from ..grid import cell_bounds
 
 __all__ = ['GeneScorer', 'draw_image_pairs', 'cell_mask_to_pixels']
-
-_logger = logging.getLogger(__name__)
 
 
 def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -395,9 +395,6 @@ def main(argv=None) -> MaskTable:
         dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
         if use_cuda:
             args.device = f'cuda:{int(os.environ.get("LOCAL_RANK", "0"))}'
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     search = Search(args)
     if search.rank == 0:
         os.makedirs(args.output, exist_ok=True)
