@@ -26,9 +26,11 @@ from .checkpoint import atomic_write_bytes, atomic_write_text
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
     # flags for train.py, and for search.py
-    'smoke': {'train': ['--epochs', '2', '--train-subset', '1024', '--val-subset', '300', '-b', '64', '-j', '0'],
+    # the paper's CIFAR optimiser (SGD Nesterov, lr 0.1, cosine, no warm-up) at short schedules
+    'smoke': {'train': ['--recipe', 'paper-cifar', '--epochs', '2', '--train-subset', '1024', '--val-subset', '300',
+                        '-b', '64', '-j', '0'],
               'search': ['--population', '24', '--generations', '6', '--k', '4', '--val-subset', '300']},
-    'small': {'train': ['--epochs', '8', '-b', '128', '-j', '1'],
+    'small': {'train': ['--recipe', 'paper-cifar', '--epochs', '8', '-j', '1'],
               'search': ['--population', '100', '--generations', '30', '--k', '8']},
     'paper': {'train': ['--recipe', 'paper-cifar'],
               'search': ['--population', '500', '--generations', '250', '--k', '16']},

@@ -8,6 +8,7 @@ and every gene is forwarded once in the whole search.
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, Tuple
 
 import numpy as np
@@ -79,6 +80,7 @@ class GeneScorer:
         self.channels_last = channels_last
         self.cache: Dict[int, float] = {}
         self.forward_images = 0
+        self.model_seconds = 0.0  # wall time spent scoring new genes (the batches end in a host copy, so it is synced)
         self.bits = 1 << (grid[0] * grid[1])
         self._bit_weights = 1 << torch.arange(grid[0] * grid[1], dtype=torch.long)
 
@@ -132,12 +134,14 @@ class GeneScorer:
         new = np.array([k not in self.cache for k in uniq.tolist()], dtype=bool)
         todo = first[new]
         if len(todo):
+            t0 = time.perf_counter()
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 scores = self._score_sharded(pair[todo], mask[todo])
             else:
                 scores = self.score_genes(pair[todo], mask[todo])
             for k, v in zip(uniq[new].tolist(), scores.tolist()):
                 self.cache[k] = v
+            self.model_seconds += time.perf_counter() - t0
         return len(keys), int(new.sum())
 
     def _score_sharded(self, pair: np.ndarray, mask: np.ndarray) -> np.ndarray:

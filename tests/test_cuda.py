@@ -1,0 +1,55 @@
+"""CUDA agrees with the CPU: the mixer bit for bit, the patch head and the search's gene scores to float tolerance.
+
+Skipped where no GPU is present (CI); run on a GPU machine with ``python -m pytest tests/test_cuda.py``.
+"""
+import numpy as np
+import pytest
+import torch
+
+import timm
+import timm_patchmix  # noqa: F401
+from timm_patchmix import PatchMix
+from timm_patchmix.search.fitness import GeneScorer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+
+
+@pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.uint8])
+def test_mix_cuda_equals_cpu(mode, dtype):
+    x = torch.randint(0, 255, (9, 3, 37, 29)).to(dtype)
+    y = torch.randint(0, 10, (9,))
+    mixer = PatchMix(grid=4, mode=mode, num_classes=10)
+    params = mixer.sample(9, generator=torch.Generator().manual_seed(3))
+    xc, tc = mixer.apply(x, y, params)
+    xg, tg = mixer.apply(x.cuda(), y.cuda(), params)
+    assert xg.device.type == 'cuda' and tg.device.type == 'cuda'
+    assert torch.equal(xg.cpu(), xc)
+    assert torch.equal(tg.cpu(), tc)
+
+
+def test_patchhead_cuda_matches_cpu(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions are not float32-exact
+    torch.manual_seed(0)
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=10).eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        pc = m.forward_patches(x)
+        pg = m.cuda().forward_patches(x.cuda()).cpu()
+    torch.testing.assert_close(pg, pc, rtol=1e-3, atol=1e-3)
+
+
+def test_gene_scores_cuda_match_cpu(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.manual_seed(0)
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=4).eval()
+    images = torch.randn(40, 3, 32, 32)
+    labels = torch.arange(40) % 4
+    from timm_patchmix.search.fitness import draw_image_pairs
+    pairs = np.array([[0, 1], [2, 3], [1, 3]])
+    a_idx, b_idx = draw_image_pairs(labels.numpy(), pairs, k=4, seed=0)
+    pair = np.array([0, 1, 2, 0])
+    mask = np.array([0x00FF, 0x0F0F, 0xFFFF, 0x1234])
+    cpu = GeneScorer(m, images, pairs, a_idx, b_idx, (4, 4), score='loss').score_genes(pair, mask)
+    gpu = GeneScorer(m.cuda(), images.cuda(), pairs, a_idx, b_idx, (4, 4), score='loss').score_genes(pair, mask)
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-3, atol=1e-4)
