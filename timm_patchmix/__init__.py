@@ -3,9 +3,10 @@ from .grid import cell_areas, cell_bounds, grid_bounds, to_grid
 from .mix import PatchMix, PatchMixParams, pack_target, split_target
 from .collate import FastCollatePatchMix
 from .loss import PatchMixLoss
-from .models import PatchHeadModel, create_patchhead, register_patchhead_models
+from .models import PatchHeadModel, create_patchhead, register_patchhead_models, register_patchhead_pretrained
 
 register_patchhead_models()
+register_patchhead_pretrained()
 
 __version__ = '0.1.0'
 

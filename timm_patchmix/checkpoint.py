@@ -33,10 +33,10 @@ def _atomic(path: str, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp', dir=folder)
     os.close(fd)
     try:
+        write(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode a plain open() would
-        write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 (and a writer may recreate the file); use open()'s mode
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--mixup-off-epoch', type=int, default=0)
     g.add_argument('--smoothing', type=float, default=None)
     g.add_argument('--patchmix', action='store_true', default=False, help='train with PatchMix and PatchMixLoss')
-    g.add_argument('--patchmix-grid', type=int, nargs='+', default=[4], help='P, or rows cols')
+    g.add_argument('--patchmix-grid', type=int, nargs='+', default=None,
+                   help="P, or rows cols (default 4; a hf-hub:/local-dir: model's own grid)")
     g.add_argument('--patchmix-alpha', type=float, default=1.0)
     g.add_argument('--patchmix-prob', type=float, default=1.0)
     g.add_argument('--patchmix-mode', default='elem', choices=('elem', 'pair', 'batch'))
@@ -168,6 +169,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.patchmix and not explicit_model and not args.model.startswith('patchhead_') and not args.no_patch_loss:
         args.model = 'patchhead_' + args.model  # a recipe's backbone, with the head --patchmix needs
+    args.grid_explicit = args.patchmix_grid is not None
+    args.patchmix_grid = args.patchmix_grid or [4]
     if len(args.patchmix_grid) not in (1, 2):
         raise SystemExit('--patchmix-grid takes P or rows cols')
     args.grid = tuple(args.patchmix_grid * 2 if len(args.patchmix_grid) == 1 else args.patchmix_grid)
@@ -222,11 +225,23 @@ def _reduce(values: List[float], device) -> List[float]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+SOURCES = ('hf-hub:', 'local-dir:')
+
+
+def model_arch(model: str) -> str:
+    """The architecture ``--model`` builds: the name itself, or the one a ``hf-hub:``/``local-dir:`` config names."""
+    if model.startswith(SOURCES):
+        from .hub import _read_config
+        return _read_config(model)['architecture']
+    return model
+
+
 def build_model(args, num_classes: int):
     import timm
     from .models import PatchHeadModel
     kwargs = dict(args.model_kwargs)
-    if args.model.startswith('patchhead_'):
+    from_source = args.model.startswith(SOURCES)
+    if args.arch.startswith('patchhead_') and (args.grid_explicit or not from_source):
         kwargs.setdefault('grid', args.grid)
         if args.per_position_head:
             kwargs['per_position'] = True
@@ -237,7 +252,12 @@ def build_model(args, num_classes: int):
     if args.drop:
         kwargs['drop_rate'] = args.drop
     model = timm.create_model(args.model, pretrained=args.pretrained, num_classes=num_classes, **kwargs)
+    if from_source:  # the config's model_args, as the factory applied them
+        kwargs = {k: v for k, v in (getattr(model, '_model_args', None) or {}).items()
+                  if k not in ('num_classes', 'pretrained_model_args')}
     args.model_kwargs_used = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+    if isinstance(model, PatchHeadModel):
+        args.grid = tuple(model.grid)  # a hub model without --patchmix-grid brings its own
     if args.initial_checkpoint:
         load_initial_checkpoint(model, args.initial_checkpoint)
     if args.grad_checkpointing:
@@ -515,9 +535,15 @@ def main(argv=None) -> Dict[str, Any]:
                          f'dataset {args.dataset or "patchshapes"}')
     num_classes = ds_classes
     import timm
-    if not timm.is_model(args.model):
-        raise SystemExit(f'error: unknown model {args.model!r}; see timm.list_models() '
-                         f'(patchhead_<arch> exists for every timm architecture)')
+    from .checkpoint import CheckpointError
+    try:
+        args.arch = model_arch(args.model)
+    except (CheckpointError, OSError) as e:
+        raise SystemExit(f'error: --model {args.model}: {e}') from None
+    if not timm.is_model(args.arch):
+        raise SystemExit(f'error: unknown model {args.arch!r}' + (f' (named by {args.model})' if args.arch !=
+                         args.model else '') + '; see timm.list_models() (patchhead_<arch> exists for every timm '
+                         'architecture)')
     model, args.is_patchhead = build_model(args, num_classes)
     if args.patchmix and not args.is_patchhead and not args.no_patch_loss:
         raise SystemExit(f'error: --patchmix trains a patch head, and {args.model} has none: use '
@@ -555,7 +581,8 @@ def main(argv=None) -> Dict[str, Any]:
     scaler = torch.amp.GradScaler('cuda') if args.amp and device.type == 'cuda' and amp_dtype == torch.float16 \
         else None
 
-    exp = args.experiment or '-'.join([datetime.now().strftime('%Y%m%d-%H%M%S'), args.model.replace('/', '_'),
+    exp = args.experiment or '-'.join([datetime.now().strftime('%Y%m%d-%H%M%S'),
+                                       timm.models.get_arch_name(args.arch).replace('/', '_'),
                                        'patchmix' if args.patchmix else 'base'])
     out_dir = os.path.join(args.output or os.path.join('.', 'output', 'train'), exp)
 
@@ -598,7 +625,8 @@ def main(argv=None) -> Dict[str, Any]:
     record_args = {k: v for k, v in vars(args).items() if k not in ('data',)}
     record_args['num_classes'] = num_classes
     weights_meta = {
-        'model': args.model, 'num_classes': num_classes, 'model_kwargs': args.model_kwargs_used,
+        'model': timm.models.get_arch_name(args.arch), 'num_classes': num_classes,
+        'model_kwargs': args.model_kwargs_used,
         'class_names': list(train_ds.classes),
         'data': {'dataset': args.dataset, 'data_dir': args.data_dir, 'val_split': args.val_split,
                  'input_size': list(data_config['input_size']), 'mean': list(data_config['mean']),
