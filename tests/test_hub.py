@@ -1,0 +1,302 @@
+"""Hub folders out, and back through timm's real loaders: local-dir:, hf-hub: from a local HF cache (offline),
+registered tags, plain-backbone export, fine-tuning to a new num_classes, the push path, and damaged files."""
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import timm
+import timm_patchmix  # noqa: F401
+from timm_patchmix import hub
+from timm_patchmix.checkpoint import CheckpointError, load_weights
+from timm_patchmix.data import PATCHSHAPES_CLASSES, PatchShapes
+from timm_patchmix.guided import MaskTable, dataset_fingerprint
+from timm_patchmix.models.pretrained import HUB_NAMESPACE, PATCHHEAD_PRETRAINED
+from timm_patchmix.train import main as train_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, 'hub')
+TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1']
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A guided patchhead checkpoint (a table is needed for the mask-table file in the folder)."""
+    tmp = tmp_path_factory.mktemp('trained')
+    rng = np.random.default_rng(0)
+    pairs = [(0, 1), (2, 5), (3, 9)]
+    table = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), dataset_fingerprint('', PATCHSHAPES_CLASSES), pairs,
+                      [rng.random((4, 4)) < 0.5 for _ in pairs], [0.25, 0.5, 0.125], 0.2917)
+    table.save(str(tmp / 'masks.json'))
+    res = train_main(TINY + ['--output', str(tmp), '--experiment', 'gpm', '--patchmix',
+                             '--patchmix-table', str(tmp / 'masks.json')])
+    return os.path.join(res['output'], 'best.safetensors'), str(tmp / 'masks.json')
+
+
+def images(n=6, seed=0):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def test_export_folder_file_by_file_and_local_dir_round_trip(trained, tmp_path):
+    ckpt, table = trained
+    folder = str(tmp_path / 'repo')
+    hub.export_folder(ckpt, folder, repo_id='someone/gpm-test')
+    assert sorted(os.listdir(folder)) == ['README.md', 'config.json', 'masks.json', 'model.safetensors']
+    ref, meta = hub.model_from_weights(ckpt)
+    # weights: the patchhead state dict, exactly
+    state = load_file(os.path.join(folder, 'model.safetensors'))
+    assert state.keys() == ref.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    # config: timm's format, with what a reload needs
+    cfg = json.load(open(os.path.join(folder, 'config.json')))
+    assert cfg['architecture'] == 'patchhead_resnet32_cifar' and cfg['num_classes'] == 10
+    assert cfg['label_names'] == list(PATCHSHAPES_CLASSES)
+    assert cfg['model_args'] == {'grid': [4, 4], 'per_position': False}
+    assert cfg['pretrained_cfg']['classifier'] == ['backbone.fc', 'patch_head.fc']
+    assert cfg['pretrained_cfg']['mean'] == meta['data']['mean'] and cfg['pretrained_cfg']['std'] == meta['data']['std']
+    assert cfg['pretrained_cfg']['input_size'] == meta['data']['input_size']
+    assert cfg['timm_patchmix']['method'] == 'guided' and cfg['timm_patchmix']['mask_table'] == 'masks.json'
+    assert cfg['timm_patchmix']['metrics']['epochs'] == 1
+    # the mask table, byte for byte; the card names method, citation, command, metrics and the pairs
+    assert open(os.path.join(folder, 'masks.json'), 'rb').read() == open(table, 'rb').read()
+    card = open(os.path.join(folder, 'README.md')).read()
+    for needle in ('Guided PatchMix', "hf-hub:someone/gpm-test", '@inproceedings{cascante2021patchmix',
+                   meta['command'], '| epochs | final top-1 | best top-1 |', 'disc + square', 'library_name: timm'):
+        assert needle in card, needle
+    # back through timm's local-dir: source
+    model = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    assert model.grid == (4, 4) and model.pretrained_cfg['label_names'] == list(PATCHSHAPES_CLASSES)
+    with torch.no_grad():
+        assert torch.equal(model(images()), ref(images()))
+        assert torch.equal(model.forward_patches(images()), ref.forward_patches(images()))
+    # an existing folder is kept unless overwrite is asked for
+    with pytest.raises(FileExistsError, match='overwrite'):
+        hub.export_folder(ckpt, folder)
+    hub.export_folder(ckpt, folder, overwrite=True)
+    assert [f for f in os.listdir(tmp_path) if f.startswith('.hub-')] == []
+
+
+def test_new_num_classes_reinitialises_both_heads(trained, tmp_path):
+    folder = hub.export_folder(trained[0], str(tmp_path / 'repo'))
+    ref, _ = hub.model_from_weights(trained[0])
+    model = timm.create_model(f'local-dir:{folder}', pretrained=True, num_classes=3)
+    assert model.num_classes == 3
+    assert model.backbone.fc.weight.shape == (3, 64) and model.patch_head.fc.weight.shape == (3, 64)
+    trunk = {k: v for k, v in ref.state_dict().items() if not k.startswith(('backbone.fc.', 'patch_head.fc.'))}
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in trunk.items())
+
+
+def test_fine_tune_with_train_py_from_a_hub_folder(trained, tmp_path):
+    """--pretrained from local-dir: and --initial-checkpoint from its model.safetensors, to a 3-class folder set."""
+    folder = hub.export_folder(trained[0], str(tmp_path / 'repo'))
+    data = tmp_path / 'three'
+    for split, n in (('train', 16), ('validation', 6)):
+        ds = PatchShapes(split, transform=lambda im: im)
+        seen = {}
+        for i in range(len(ds)):
+            img, y = ds[i]
+            if y < 3 and seen.get(y, 0) < n:
+                seen[y] = seen.get(y, 0) + 1
+                os.makedirs(data / split / ds.classes[y], exist_ok=True)
+                img.save(data / split / ds.classes[y] / f'{i}.png')
+            if sum(seen.values()) == 3 * n:
+                break
+    common = ['--data-dir', str(data), '--num-classes', '3', '--patchmix', '-b', '8', '-j', '0', '--epochs', '1',
+              '--no-progress', '--output', str(tmp_path / 'ft')]
+    res = train_main(common + ['--model', f'local-dir:{folder}', '--pretrained', '--experiment', 'pre'])
+    state, meta = load_weights(os.path.join(res['output'], 'best.safetensors'))
+    assert meta['model'] == 'patchhead_resnet32_cifar' and meta['num_classes'] == 3
+    assert meta['model_kwargs'] == {'grid': [4, 4], 'per_position': False}
+    assert state['patch_head.fc.weight'].shape == (3, 64)
+    reloaded, _ = hub.model_from_weights(os.path.join(res['output'], 'best.safetensors'))
+    assert reloaded.num_classes == 3
+    res2 = train_main(common + ['--model', 'patchhead_resnet32_cifar', '--initial-checkpoint',
+                                os.path.join(folder, 'model.safetensors'), '--experiment', 'init'])
+    assert len(res2['rows']) == 1
+
+
+def test_plain_backbone_export_has_the_same_trunk(trained, tmp_path, caplog):
+    folder = hub.export_folder(trained[0], str(tmp_path / 'repo'))
+    ph = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    with caplog.at_level(logging.WARNING):
+        plain = hub.load_backbone(f'local-dir:{folder}').eval()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert type(plain).__name__ == 'CifarResNet' and not hasattr(plain, 'patch_head')
+    x = images()
+    with torch.no_grad():
+        assert torch.equal(plain.forward_features(x), ph.backbone.forward_features(x))
+        assert torch.equal(plain(x), ph(x))  # the image head comes along
+    assert plain.pretrained_cfg['mean'] == ph.pretrained_cfg['mean']
+    assert hub.load_backbone(trained[0], num_classes=7).fc.weight.shape == (7, 64)
+    # timm's own file overlay, from the exported plain state dict
+    path = hub.export_backbone(f'local-dir:{folder}', str(tmp_path / 'plain.safetensors'))
+    assert not any(k.startswith(('backbone.', 'patch_head.')) for k in load_file(path))
+    with caplog.at_level(logging.WARNING):
+        via_file = timm.create_model('resnet32_cifar', pretrained=True,
+                                     pretrained_cfg_overlay=dict(file=path, num_classes=10)).eval()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    with torch.no_grad():
+        assert torch.equal(via_file(x), ph(x))
+
+
+def test_registered_tags():
+    names = timm.list_pretrained('patchhead_*')
+    assert set(PATCHHEAD_PRETRAINED) <= set(names)
+    for full in ('patchhead_resnet50.gpm_in1k', 'patchhead_resnet50.rpm_in1k'):
+        cfg = timm.models.get_pretrained_cfg(full)
+        assert cfg.hf_hub_id == f'{HUB_NAMESPACE}/{full}' and cfg.num_classes == 1000
+        assert tuple(cfg.classifier) == ('backbone.fc', 'patch_head.fc')
+    # a backbone tag still means the backbone's own timm weights under a fresh patch head
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=4)
+    assert m.pretrained_cfg['architecture'] == 'patchhead_resnet32_cifar'
+
+
+@pytest.mark.parametrize('name', sorted(n for n in PATCHHEAD_PRETRAINED if not n.endswith('_in1k')))
+def test_example_checkpoints_match_their_tags_and_work(name):
+    folder = os.path.join(EXAMPLES, name)
+    cfg = json.load(open(os.path.join(folder, 'config.json')))
+    tag = timm.models.get_pretrained_cfg(name)
+    assert cfg['architecture'] == name.split('.')[0]
+    for key in ('num_classes', 'input_size', 'mean', 'std', 'interpolation', 'crop_pct', 'first_conv'):
+        assert tuple(np.atleast_1d(cfg['pretrained_cfg'][key])) == tuple(np.atleast_1d(getattr(tag, key))), key
+    assert tuple(cfg['pretrained_cfg']['classifier']) == tuple(tag.classifier)
+    model = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    if cfg['timm_patchmix']['dataset'] == 'patchshapes':  # real weights: they classify the embedded data
+        ds = PatchShapes('validation')
+        x = torch.stack([ds[i][0] for i in range(200)]).float() / 255
+        y = torch.tensor([ds[i][1] for i in range(200)])
+        mean, std = (torch.tensor(cfg['pretrained_cfg'][k]).view(1, 3, 1, 1) for k in ('mean', 'std'))
+        with torch.no_grad():
+            acc = (model((x - mean) / std).argmax(1) == y).float().mean().item()
+        assert acc > 0.9, acc
+
+
+HUB_SCRIPT = r'''
+import json, sys, torch, timm
+import timm_patchmix
+from timm_patchmix.checkpoint import CheckpointError
+out = {}
+name = sys.argv[1]
+m = timm.create_model(f'hf-hub:{name}', pretrained=True).eval()
+out['source'] = m.pretrained_cfg.get('source')
+x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+ref = timm.create_model(f'local-dir:{sys.argv[2]}', pretrained=True).eval()
+out['same_as_local_dir'] = bool(torch.equal(m(x), ref(x)))
+tag = name.split('/')[1]
+t = timm.create_model(tag, pretrained=True, num_classes=5)
+out['tag_heads'] = [list(t.backbone.fc.weight.shape), list(t.patch_head.fc.weight.shape)]
+out['tag_trunk_equal'] = bool(torch.equal(t.backbone.conv1.weight, m.backbone.conv1.weight))
+try:
+    timm.create_model('patchhead_resnet50.gpm_in1k', pretrained=True)
+    out['in1k'] = 'loaded'
+except CheckpointError as e:
+    out['in1k'] = str(e)
+print(json.dumps(out))
+'''
+
+
+def fake_hf_cache(cache, repo_id, folder, commit='0' * 40):
+    """The layout huggingface_hub reads: models--org--name/{refs/main, snapshots/<commit>/<files>}."""
+    base = os.path.join(cache, 'models--' + repo_id.replace('/', '--'))
+    os.makedirs(os.path.join(base, 'refs'))
+    with open(os.path.join(base, 'refs', 'main'), 'w') as f:
+        f.write(commit)
+    shutil.copytree(folder, os.path.join(base, 'snapshots', commit))
+
+
+def test_hf_hub_from_a_local_cache_offline(tmp_path):
+    name = 'patchhead_resnet32_cifar.rpm_patchshapes'
+    repo = f'{HUB_NAMESPACE}/{name}'
+    fake_hf_cache(str(tmp_path / 'cache'), repo, os.path.join(EXAMPLES, name))
+    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
+               PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, '-c', HUB_SCRIPT, repo, os.path.join(EXAMPLES, name)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out['source'] == 'hf-hub' and out['same_as_local_dir']
+    assert out['tag_heads'] == [[5, 64], [5, 64]] and out['tag_trunk_equal']
+    # the ImageNet tag resolves to its hf_hub_id (not in this cache, and offline): a clear error naming it
+    assert f'{HUB_NAMESPACE}/patchhead_resnet50.gpm_in1k' in out['in1k']
+
+
+def test_push_up_to_the_upload_call(trained, tmp_path, monkeypatch):
+    import huggingface_hub
+    calls = {}
+
+    class Repo:
+        repo_id = 'someone/gpm-test'
+
+    def create_repo(self, repo_id, **kw):
+        calls['create'] = (repo_id, kw)
+        return Repo()
+
+    def upload_folder(self, **kw):
+        calls['upload'] = kw
+        calls['files'] = {f: open(os.path.join(kw['folder_path'], f), 'rb').read()
+                          for f in os.listdir(kw['folder_path'])}
+        return 'commit-url'
+
+    monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, 'upload_folder', upload_folder)
+    folder = str(tmp_path / 'push')
+    assert hub.push(trained[0], 'someone/gpm-test', folder=folder, token='hf_x') == 'commit-url'
+    assert calls['create'] == ('someone/gpm-test', {'private': False, 'exist_ok': True})
+    assert calls['upload']['repo_id'] == 'someone/gpm-test' and calls['upload']['folder_path'] == folder
+    assert sorted(calls['files']) == ['README.md', 'config.json', 'masks.json', 'model.safetensors']
+    assert calls['files']['masks.json'] == open(trained[1], 'rb').read()
+    # dry run: the folder only, no network; no token: a clear error, and the folder is still written
+    calls.clear()
+    assert hub.main(['push', '--checkpoint', trained[0], '--repo-id', 'someone/x', '--dry-run',
+                     '--folder', str(tmp_path / 'dry')]) == 0
+    assert not calls and os.path.isfile(tmp_path / 'dry' / 'model.safetensors')
+    monkeypatch.setattr(huggingface_hub, 'get_token', lambda: None)
+    with pytest.raises(RuntimeError, match='HF_TOKEN'):
+        hub.push(trained[0], 'someone/x', folder=str(tmp_path / 'notoken'))
+    assert os.path.isfile(tmp_path / 'notoken' / 'config.json')
+    with pytest.raises(ValueError, match='user/name'):
+        hub.push(trained[0], 'no-namespace', dry_run=True)
+
+
+def test_damaged_files_and_unregistered_architectures(trained, tmp_path):
+    folder = hub.export_folder(trained[0], str(tmp_path / 'repo'))
+    weights = os.path.join(folder, 'model.safetensors')
+    good = open(weights, 'rb').read()
+    for damaged in (good[:len(good) // 2], good[:5], b'\xff' * 16 + good[16:]):
+        with open(weights, 'wb') as f:
+            f.write(damaged)
+        with pytest.raises(CheckpointError, match='damaged or incomplete'):
+            timm.create_model(f'local-dir:{folder}', pretrained=True)
+    with open(weights, 'wb') as f:
+        f.write(good)
+    cfg_path = os.path.join(folder, 'config.json')
+    cfg = json.load(open(cfg_path))
+    json.dump(dict(cfg, architecture='patchhead_no_such_net'), open(cfg_path, 'w'))
+    with pytest.raises(CheckpointError, match="'patchhead_no_such_net'.*not an architecture of the installed timm"):
+        hub.load_model(f'local-dir:{folder}')
+    with pytest.raises(SystemExit, match='unknown model .patchhead_no_such_net.'):
+        train_main(TINY + ['--model', f'local-dir:{folder}', '--output', str(tmp_path / 'o')])
+    open(cfg_path, 'w').write('{"architecture": ')
+    with pytest.raises(CheckpointError, match='not readable JSON'):
+        hub.load_model(f'local-dir:{folder}')
+    os.remove(cfg_path)
+    with pytest.raises(CheckpointError, match='no config.json'):
+        hub.load_model(f'local-dir:{folder}')
+
+
+def test_without_import_timm_names_the_missing_architecture():
+    """Without `import timm_patchmix` timm cannot know patchhead_*: its error names the architecture, and the
+    folder's config.json carries the note that says what to import."""
+    folder = os.path.join(EXAMPLES, 'patchhead_resnet32_cifar.rpm_patchshapes')
+    code = f'import timm; timm.create_model("local-dir:{folder}", pretrained=True)'
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and 'patchhead_resnet32_cifar' in r.stderr
+    assert 'import timm_patchmix' in json.load(open(os.path.join(folder, 'config.json')))['timm_patchmix']['note']
