@@ -144,15 +144,15 @@ def paper(a):
         s, wall = run_search(a.checkpoint, a.population, a.generations, 16, out, extra)
     rows = s.logbook
     dev = s.device
-    doc = {'population': a.population, 'k': 16, 'generations_run': len(rows) - 1, 'wall_s': wall,
-           'device': torch.cuda.get_device_name(dev) if dev.type == 'cuda' else f'cpu ({torch.get_num_threads()} threads)',
+    device = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else f'cpu ({torch.get_num_threads()} threads)'
+    doc = {'population': a.population, 'k': 16, 'generations_run': len(rows) - 1, 'wall_s': wall, 'device': device,
            'amp': a.amp, 'channels_last': a.channels_last, 'eval_batch_size': a.eval_batch_size,
            'best_fitness': rows[-1]['best'],
            'seconds_per_generation': [r['seconds'] for r in rows], 'new_genes': [r['new_genes'] for r in rows],
            'hit_rate': [round(r['cache_hit_rate'], 4) for r in rows], 'forward_images': s.scorer.forward_images,
            'model_seconds': s.scorer.model_seconds, 'outside_model_seconds': wall - s.scorer.model_seconds}
-    print(f"paper scale (10 classes, population {a.population}, K=16): {len(rows) - 1} generations + the initial population "
-          f"in {wall:.0f} s on {doc['device']} ({doc['model_seconds']:.0f} s in the model, {doc['forward_images']:,} "
+    print(f"paper scale (10 classes, population {a.population}, K=16): {len(rows) - 1} generations + the initial "
+          f"population in {wall:.0f} s on {doc['device']} ({doc['model_seconds']:.0f} s in the model, {doc['forward_images']:,} "
           f"images); initial population {rows[0]['seconds']:.1f} s, later generations median "
           f"{statistics.median(doc['seconds_per_generation'][1:] or [0]):.2f} s; new genes {doc['new_genes'][:10]}...; "
           f"hit rate {doc['hit_rate'][:10]}...")

@@ -276,8 +276,8 @@ def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Mod
     Loading goes through timm's ``pretrained_cfg_overlay``, so timm's own adaptation applies: a different
     ``num_classes`` re-initialises the classifier, ``in_chans`` adapts the stem. ``kwargs`` go to timm.
     """
-    arch, state, cfg = backbone_state_dict(source)
     src = _patchhead(source)
+    arch, state, cfg = backbone_state_dict(src)
     for k, v in (getattr(src, '_model_args', None) or {}).items():
         if k not in ('grid', 'per_position', 'num_classes'):
             kwargs.setdefault(k, v)
