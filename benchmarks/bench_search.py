@@ -152,8 +152,8 @@ def paper(a):
            'hit_rate': [round(r['cache_hit_rate'], 4) for r in rows], 'forward_images': s.scorer.forward_images,
            'model_seconds': s.scorer.model_seconds, 'outside_model_seconds': wall - s.scorer.model_seconds}
     print(f"paper scale (10 classes, population {a.population}, K=16): {len(rows) - 1} generations + the initial "
-          f"population in {wall:.0f} s on {doc['device']} ({doc['model_seconds']:.0f} s in the model, {doc['forward_images']:,} "
-          f"images); initial population {rows[0]['seconds']:.1f} s, later generations median "
+          f"population in {wall:.0f} s on {doc['device']} ({doc['model_seconds']:.0f} s in the model, "
+          f"{doc['forward_images']:,} images); initial population {rows[0]['seconds']:.1f} s, later generations median "
           f"{statistics.median(doc['seconds_per_generation'][1:] or [0]):.2f} s; new genes {doc['new_genes'][:10]}...; "
           f"hit rate {doc['hit_rate'][:10]}...")
     save(a.json, doc)
