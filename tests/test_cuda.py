@@ -16,14 +16,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a C
 
 @pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.uint8])
-def test_mix_cuda_equals_cpu(mode, dtype):
+@pytest.mark.parametrize('channels_last', [False, True])
+def test_mix_cuda_equals_cpu(mode, dtype, channels_last):
     x = torch.randint(0, 255, (9, 3, 37, 29)).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (9,))
     mixer = PatchMix(grid=4, mode=mode, num_classes=10)
     params = mixer.sample(9, generator=torch.Generator().manual_seed(3))
     xc, tc = mixer.apply(x, y, params)
     xg, tg = mixer.apply(x.cuda(), y.cuda(), params)
     assert xg.device.type == 'cuda' and tg.device.type == 'cuda'
+    assert xg.is_contiguous(memory_format=torch.channels_last) == channels_last
     assert torch.equal(xg.cpu(), xc)
     assert torch.equal(tg.cpu(), tc)
 

@@ -262,3 +262,22 @@ def test_strided_and_word_aligned_inputs(dtype):
         params = mixer.sample(x.shape[0], generator=torch.Generator().manual_seed(1))
         out, _ = mixer.apply(x, torch.zeros(x.shape[0], dtype=torch.long), params)
         assert torch.equal(out, reference_mix(x, params.partner, params.mask)[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 6), h=st.integers(4, 23), w=st.integers(4, 23), rows=st.integers(1, 4),
+       cols=st.integers(1, 4), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.uint8]),
+       channels_last=st.booleans())
+def test_select_path_equals_cell_path(b, h, w, rows, cols, seed, dtype, channels_last):
+    """The GPU's whole-batch path (gather + per-pixel select) gives the CPU's per-cell result exactly."""
+    from timm_patchmix.mix import mix_cells_into, mix_select_into
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 255, (b, 3, h, w), generator=g).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    partner = torch.randperm(b, generator=g)
+    mask = torch.rand(b, rows, cols, generator=g) < 0.5
+    a = mix_cells_into(torch.empty_like(x), x, partner, mask)
+    s = mix_select_into(torch.empty_like(x), x, partner, mask)
+    assert torch.equal(a, s)

@@ -14,7 +14,7 @@ import torch
 
 GridSpec = Union[int, Sequence[int]]
 
-__all__ = ['GridSpec', 'to_grid', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas']
+__all__ = ['GridSpec', 'to_grid', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas', 'cell_mask_to_pixels']
 
 
 def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
@@ -67,3 +67,15 @@ def cell_areas(height: int, width: int, grid: GridSpec, device=None) -> torch.Te
     h = torch.tensor([rb[k + 1] - rb[k] for k in range(len(rb) - 1)], dtype=torch.float64, device=device)
     w = torch.tensor([cb[k + 1] - cb[k] for k in range(len(cb) - 1)], dtype=torch.float64, device=device)
     return h[:, None] * w[None, :]
+
+
+def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Cell masks ``[B, rows, cols]`` -> pixel masks ``[B, H, W]`` on the cells of :func:`cell_bounds`.
+
+    Plain indexing with each pixel row's and column's cell, so no output size depends on the data (no device sync).
+    """
+    rows, cols = mask.shape[1:]
+    rb, cb = cell_bounds(height, rows), cell_bounds(width, cols)
+    ri = torch.tensor([k for k in range(rows) for _ in range(rb[k + 1] - rb[k])], device=mask.device)
+    ci = torch.tensor([k for k in range(cols) for _ in range(cb[k + 1] - cb[k])], device=mask.device)
+    return mask[:, ri][:, :, ci]

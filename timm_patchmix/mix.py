@@ -11,9 +11,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .grid import GridSpec, cell_areas, cell_bounds, check_grid_fits, to_grid
+from .grid import GridSpec, cell_areas, cell_bounds, cell_mask_to_pixels, check_grid_fits, to_grid
 
-__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_into', 'MIX_MODES']
+__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_into',
+           'mix_select_into', 'MIX_MODES']
 
 MIX_MODES = ('elem', 'pair', 'batch')
 
@@ -230,6 +231,13 @@ def mix_cells_into(out: torch.Tensor, x: torch.Tensor, partner: torch.Tensor, ma
     return out
 
 
+def mix_select_into(out: torch.Tensor, x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The same mix as :func:`mix_cells_into` in two whole-batch kernels: gather the partners, then select per
+    pixel. It moves more bytes but launches no per-cell kernels, which is what a GPU prefers."""
+    pix = cell_mask_to_pixels(mask, x.shape[-2], x.shape[-1]).unsqueeze(1)
+    return torch.where(pix, x, x.index_select(0, partner), out=out)
+
+
 class PatchMix:
     """Random PatchMix, used where timm's ``Mixup`` is: ``x, target = mixer(x, target)``.
 
@@ -344,7 +352,8 @@ class PatchMix:
         y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=x.device)
         partner = params.partner.to(x.device)
         mask = params.mask.to(x.device)
-        out = mix_cells_into(self._pool.get(x), x, partner, mask)
+        mix = mix_select_into if x.device.type == 'cuda' else mix_cells_into
+        out = mix(self._pool.get(x), x, partner, mask)
         areas = cell_areas(h, w, self.grid, device=x.device)
         lam = (mask.to(torch.float64) * areas).sum((1, 2)) / (h * w)
         return out, pack_target(y, y[partner], lam, mask)

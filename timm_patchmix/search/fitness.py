@@ -16,18 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..grid import cell_bounds
+from ..grid import cell_mask_to_pixels
 
 __all__ = ['GeneScorer', 'draw_image_pairs', 'cell_mask_to_pixels']
-
-
-def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Bool cell masks ``[B, rows, cols]`` -> pixel masks ``[B, H, W]`` using the shared cell boundaries."""
-    rows, cols = mask.shape[1:]
-    rb, cb = cell_bounds(height, rows), cell_bounds(width, cols)
-    hs = torch.tensor([rb[k + 1] - rb[k] for k in range(rows)], device=mask.device)
-    ws = torch.tensor([cb[k + 1] - cb[k] for k in range(cols)], device=mask.device)
-    return mask.repeat_interleave(hs, dim=1).repeat_interleave(ws, dim=2)
 
 
 def draw_image_pairs(labels: np.ndarray, pairs: np.ndarray, k: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
