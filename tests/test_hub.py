@@ -22,6 +22,7 @@ from timm_patchmix.models.pretrained import HUB_NAMESPACE, PATCHHEAD_PRETRAINED
 from timm_patchmix.train import main as train_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
 EXAMPLES = os.path.join(ROOT, 'hub')
 TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1']
 
@@ -217,7 +218,7 @@ def test_hf_hub_from_a_local_cache_offline(tmp_path):
     repo = f'{HUB_NAMESPACE}/{name}'
     fake_hf_cache(str(tmp_path / 'cache'), repo, os.path.join(EXAMPLES, name))
     env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
-               PYTHONPATH=ROOT)
+               PYTHONPATH=PYPATH)
     r = subprocess.run([sys.executable, '-c', HUB_SCRIPT, repo, os.path.join(EXAMPLES, name)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

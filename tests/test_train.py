@@ -14,6 +14,7 @@ from timm_patchmix.checkpoint import load_state
 from timm_patchmix.train import KILL_ENV, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
 TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '2']
 
 
@@ -55,8 +56,9 @@ def test_modes_train_and_write_outputs(tmp_path, flags, model):
 
 
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
-    args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # on the CPU, also where a GPU is present: bit-identical replays need deterministic kernels
+    args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path), '--device', 'cpu']
+    env = dict(os.environ, PYTHONPATH=PYPATH)
     full = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'full'], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-2000:]
@@ -81,9 +83,9 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
 
 def test_two_process_ddp_gloo(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
-    cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix',
-           '--output', str(tmp_path), '--experiment', 'ddp']
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'),
+    cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix', '--device', 'cpu',
+           '--output', str(tmp_path), '--experiment', 'ddp']  # gloo on the CPU, also where one GPU is present
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(os.path.join(tmp_path, 'ddp', 'summary.csv'))
