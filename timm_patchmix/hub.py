@@ -137,7 +137,7 @@ def _model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional
     ]
     if meta.get('command'):
         lines += [f'- command: `{meta["command"]}`']
-    if metrics:
+    if metrics and metrics.get("final_top1") is not None:
         lines += ['', '## Metrics', '', '| epochs | final top-1 | best top-1 |', '|---|---|---|',
                   f'| {metrics["epochs"]} | {metrics["final_top1"]:.2f} | {metrics["best_top1"]:.2f} |']
     if table:
@@ -187,9 +187,10 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = {k: data[k] for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct') if data.get(k)}
+    metrics = _summary(checkpoint)
     model_config = {'timm_patchmix': {'method': 'guided' if table_doc else 'random',
                                       'grid': list(model.grid), 'dataset': data.get('dataset') or 'patchshapes',
-                                      'metrics': _summary(checkpoint), 'command': meta.get('command'),
+                                      'metrics': metrics, 'command': meta.get('command'),
                                       'mask_table': 'masks.json' if table_doc else None,
                                       'note': 'import timm_patchmix before timm.create_model: it registers '
                                               'the patchhead_* architectures'}}
@@ -208,7 +209,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         if table_doc is not None:
             shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
         atomic_write_text(os.path.join(tmp, 'README.md'),
-                          _model_card(repo_id, arch, meta, _summary(checkpoint), table_doc, table_doc is not None))
+                          _model_card(repo_id, arch, meta, metrics, table_doc, table_doc is not None))
         os.chmod(tmp, 0o755)
         if os.path.exists(folder):
             old = tempfile.mkdtemp(prefix='.hub-old-', dir=parent)
