@@ -110,11 +110,11 @@ def _summary(checkpoint: str) -> Optional[Dict[str, Any]]:
 
 
 def _model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[Dict[str, Any]],
-                table: Optional[Dict[str, Any]], guided: bool) -> str:
+                table: Optional[Dict[str, Any]]) -> str:
     data = meta.get('data') or {}
     dataset = data.get('dataset') or 'patchshapes'
-    method = 'Guided PatchMix' if guided else ('Random PatchMix' if (meta.get('patchmix') or {}).get('enabled')
-                                               else 'no PatchMix')
+    patchmix = bool((meta.get('patchmix') or {}).get('enabled'))
+    method = 'Guided PatchMix' if table is not None else ('Random PatchMix' if patchmix else 'no PatchMix')
     lines = [
         '---', 'library_name: timm', 'license: apache-2.0', 'pipeline_tag: image-classification',
         'tags:', '- image-classification', '- timm', '- timm_patchmix', '- patchmix', '---', '',
@@ -209,7 +209,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         if table_doc is not None:
             shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
         atomic_write_text(os.path.join(tmp, 'README.md'),
-                          _model_card(repo_id, arch, meta, metrics, table_doc, table_doc is not None))
+                          _model_card(repo_id, arch, meta, metrics, table_doc))
         os.chmod(tmp, 0o755)
         if os.path.exists(folder):
             old = tempfile.mkdtemp(prefix='.hub-old-', dir=parent)
