@@ -24,7 +24,7 @@ def test_mix_cuda_equals_cpu(mode, dtype, channels_last):
     y = torch.randint(0, 10, (9,))
     mixer = PatchMix(grid=4, mode=mode, num_classes=10)
     params = mixer.sample(9, generator=torch.Generator().manual_seed(3))
-    xc, tc = mixer.apply(x, y, params)
+    xc, tc = mixer.apply(x.clone(), y, params)
     xg, tg = mixer.apply(x.cuda(), y.cuda(), params)
     assert xg.device.type == 'cuda' and tg.device.type == 'cuda'
     assert xg.is_contiguous(memory_format=torch.channels_last) == channels_last

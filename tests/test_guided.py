@@ -42,8 +42,8 @@ def test_guided_samples_follow_the_table_pixel_exact():
             seen += 1
         mixer.memory.update(x, y)
         mem = [mixer.memory.pick(c) for c in extra]
-        x_src = torch.cat([x, torch.stack(mem)]) if mem else x
-        out, packed = mixer.mixer.apply(x_src, y_src, params)
+        x_src = torch.cat([x, torch.stack(mem)]) if mem else x.clone()
+        out, packed = mixer.mixer.apply(x.clone(), y, params, source=(x_src, y_src))
         for i in range(24):  # pixel semantics of PatchMix, 2x2 pixel cells
             for r in range(4):
                 for c in range(4):

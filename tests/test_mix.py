@@ -68,7 +68,7 @@ def test_pixels_labels_and_lambda_exact(b, h, w, rows, cols, mode, prob, smoothi
     params = mixer.sample(b, generator=g)
     assert params.partner.dtype == torch.long and params.mask.dtype == torch.bool
     assert params.mask.shape == (b, rows, cols)
-    out, packed = mixer.apply(x, target, params)
+    out, packed = mixer.apply(x.clone(), target, params)
 
     ref, keep = reference_mix(x, params.partner, params.mask)
     assert torch.equal(out, ref)
@@ -125,23 +125,60 @@ def test_chain_partners_see_original_pixels():
     assert torch.equal(out[:, 0, 0, 0], torch.tensor([1.0, 2.0, 0.0]))
 
 
-def test_input_untouched_and_held_outputs_never_overwritten():
+def test_mixes_in_place_and_keeps_nothing_between_calls():
+    """timm's Mixup contract: the batch itself is mixed and returned; a later call never writes to an earlier
+    output, so an output may be held (by a loader queue, a pinned copy, a worker's shared memory) for ever."""
     mixer = PatchMix(num_classes=3)
-    x = torch.rand(4, 3, 8, 8)
-    before = x.clone()
     params = mixer.sample(4, generator=torch.Generator().manual_seed(0))
-    out1, _ = mixer.apply(x, torch.tensor([0, 1, 2, 0]), params)
-    assert torch.equal(x, before) and out1.data_ptr() != x.data_ptr()
-    keep1 = out1.clone()
-    view = out1[1:]  # a view alone keeps the memory busy
-    ptr1 = out1.data_ptr()
-    del out1
-    out2, _ = mixer.apply(torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]), params)
-    assert out2.data_ptr() != ptr1 and torch.equal(view, keep1[1:])
-    del view
-    out3, _ = mixer.apply(x, torch.tensor([0, 1, 2, 0]), params)
-    assert out3.data_ptr() == ptr1, 'memory nobody holds any more is recycled'
-    assert torch.equal(out3, keep1)
+    x1 = torch.rand(4, 3, 8, 8)
+    ref1 = reference_mix(x1.clone(), params.partner, params.mask)[0]
+    out1, _ = mixer.apply(x1, torch.tensor([0, 1, 2, 0]), params)
+    assert out1 is x1 and torch.equal(out1, ref1)
+    held = out1[1:]  # a view the caller keeps
+    for _ in range(3):
+        out2, _ = mixer(torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]))
+        assert out2.data_ptr() != out1.data_ptr()
+    assert torch.equal(held, ref1[1:]) and torch.equal(out1, ref1)
+
+
+def test_source_images_supply_partners_outside_the_batch():
+    mixer = PatchMix(grid=2, num_classes=4)
+    x = torch.arange(2, dtype=torch.float32).view(2, 1, 1, 1).expand(2, 1, 4, 4).contiguous()
+    extra = torch.full((1, 1, 4, 4), 7.0)
+    source = (torch.cat([x, extra]), torch.tensor([0, 1, 3]))
+    mask = torch.tensor([[[True, False], [True, True]], [[False, False], [False, False]]])
+    out, packed = mixer.apply(x, torch.tensor([0, 1]), PatchMixParams(torch.tensor([2, 0]), mask), source=source)
+    assert torch.equal(out[0, 0], torch.tensor([[0, 0, 7, 7], [0, 0, 7, 7], [0, 0, 0, 0], [0, 0, 0, 0.]]))
+    assert torch.equal(out[1], torch.zeros(1, 4, 4)), 'partners are read from the source, not the mixed batch'
+    image_t, patch_t = split_target(packed)
+    assert torch.equal(image_t[0], torch.tensor([0.75, 0, 0, 0.25])) and torch.equal(image_t[1], torch.tensor([1.0, 0, 0, 0]))
+    with pytest.raises(ValueError, match=r'outside \[0, 3\)'):
+        mixer.apply(x, torch.tensor([0, 1]), PatchMixParams(torch.tensor([3, 0]), mask), source=source)
+    with pytest.raises(ValueError, match='source images must have shape'):
+        mixer.apply(x, torch.tensor([0, 1]), PatchMixParams(torch.tensor([1, 0]), mask), source=(extra[:, :, :2], source[1]))
+
+
+def test_inference_mode_preview_leaves_later_training_intact():
+    """A preview under inference_mode must not leave anything behind that makes later outputs inference
+    tensors (backward through them would fail)."""
+    from timm_patchmix.guided import GuidedPatchMix
+    mixer = PatchMix(num_classes=3)
+    table_mixer = GuidedPatchMix(_tiny_table(), guided_prob=0.5, random_prob=0.25)
+    for m in (mixer, table_mixer):
+        with torch.inference_mode():
+            m(torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]))
+        x, packed = m(torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]))
+        assert not x.is_inference() and not packed.is_inference()
+        w = torch.ones(1, requires_grad=True)
+        ((x * w).sum() + (packed * w).sum()).backward()
+        assert w.grad is not None
+
+
+def _tiny_table():
+    import numpy as np
+    from timm_patchmix.guided import MaskTable
+    return MaskTable((4, 4), 3, ['a', 'b', 'c'], 'fp', [(0, 1), (1, 2)],
+                     [np.eye(4, dtype=bool), ~np.eye(4, dtype=bool)], [0.1, 0.2], 0.1)
 
 
 def test_batch_size_one_and_odd_pair():
@@ -193,7 +230,7 @@ def test_low_precision_images_give_float32_targets(dtype):
     x = (torch.rand(6, 3, 16, 16) * 200).to(dtype)
     mixer = PatchMix(num_classes=5)
     params = mixer.sample(6, generator=torch.Generator().manual_seed(3))
-    out, packed = mixer.apply(x, torch.tensor([0, 1, 2, 3, 4, 0]), params)
+    out, packed = mixer.apply(x.clone(), torch.tensor([0, 1, 2, 3, 4, 0]), params)
     assert out.dtype == dtype and packed.dtype == torch.float32
     assert torch.equal(out, reference_mix(x, params.partner, params.mask)[0])
 
@@ -260,8 +297,10 @@ def test_strided_and_word_aligned_inputs(dtype):
     for x in (base[:, :, :, :32], base[:, :, :16, 1:33], base[:, :, ::2, ::2], base[1:].contiguous()):
         mixer = PatchMix(num_classes=3)
         params = mixer.sample(x.shape[0], generator=torch.Generator().manual_seed(1))
+        ref = reference_mix(x.clone(), params.partner, params.mask)[0]
         out, _ = mixer.apply(x, torch.zeros(x.shape[0], dtype=torch.long), params)
-        assert torch.equal(out, reference_mix(x, params.partner, params.mask)[0])
+        assert out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+        assert torch.equal(out, ref)
 
 
 @settings(max_examples=30, deadline=None)
@@ -270,14 +309,21 @@ def test_strided_and_word_aligned_inputs(dtype):
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.uint8]),
        channels_last=st.booleans())
 def test_select_path_equals_cell_path(b, h, w, rows, cols, seed, dtype, channels_last):
-    """The GPU's whole-batch path (gather + per-pixel select) gives the CPU's per-cell result exactly."""
-    from timm_patchmix.mix import mix_cells_into, mix_select_into
+    """The GPU's whole-batch path (gather + per-pixel select) gives the CPU's per-cell result exactly, with
+    partners from the batch itself or from a separate source."""
+    from timm_patchmix.mix import mix_cells_, mix_select_
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 255, (b, 3, h, w), generator=g).to(dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     partner = torch.randperm(b, generator=g)
     mask = torch.rand(b, rows, cols, generator=g) < 0.5
-    a = mix_cells_into(torch.empty_like(x), x, partner, mask)
-    s = mix_select_into(torch.empty_like(x), x, partner, mask)
-    assert torch.equal(a, s)
+    ref = reference_mix(x, partner, mask)[0]
+    a = mix_cells_(x.clone(), partner, mask)
+    s = mix_select_(x.clone(), partner, mask)
+    assert torch.equal(a, ref) and torch.equal(s, ref)
+    src = torch.cat([x, x.flip(0)])
+    far = partner + b  # every partner lies outside the batch
+    a = mix_cells_(x.clone(), far, mask, src)
+    s = mix_select_(x.clone(), far, mask, src)
+    assert torch.equal(a, s) and torch.equal(a, reference_mix(src, torch.cat([far, far]), torch.cat([mask, mask]))[0][:b])

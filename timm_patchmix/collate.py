@@ -20,13 +20,15 @@ class FastCollatePatchMix(FastCollateMixup):
     Pass it as ``collate_fn`` to timm's ``create_loader``; ``PrefetchLoader.mixup_enabled`` switches mixing on
     and off as it does for ``FastCollateMixup``. For the same params, pixels and targets equal those of
     :class:`~timm_patchmix.PatchMix` applied to the same uint8 batch. Arguments are those of ``PatchMix``.
+
+    Every call returns a new batch tensor, as timm's ``fast_collate`` does, and keeps nothing between calls: a
+    DataLoader worker hands its batch to the main process and never touches that memory again.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
                  label_smoothing: float = 0.0, num_classes: Optional[int] = None):
         self.mixer = PatchMix(grid=grid, alpha=alpha, prob=prob, mode=mode, label_smoothing=label_smoothing,
                               num_classes=num_classes)
-        self._staging: Optional[torch.Tensor] = None  # never leaves this object, so it is reused freely
         # timm's attributes, kept so code that inspects a FastCollateMixup sees consistent values
         super().__init__(mixup_alpha=0.0, cutmix_alpha=0.0, prob=prob, mode=mode,
                          label_smoothing=label_smoothing, num_classes=num_classes)
@@ -53,18 +55,15 @@ class FastCollatePatchMix(FastCollateMixup):
         return self.mixer.sample(batch_size, generator=generator)
 
     def stack(self, batch: Sequence[Tuple[object, object]]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Copy the images of ``batch`` into a uint8 ``[B, C, H, W]`` staging tensor owned by this collate-mixer
-        (valid until its next call); collate the labels."""
+        """Copy the images of ``batch`` into a new uint8 ``[B, C, H, W]`` tensor; collate the labels into
+        class indices ``[B]``."""
         if len(batch) == 0:
             raise ValueError('cannot collate an empty batch')
         first = batch[0][0]
-        shape = tuple(first.shape)
+        shape = tuple(getattr(first, 'shape', ()))
         if len(shape) != 3:
             raise ValueError(f'collate expects CHW images, got an image of shape {list(shape)}')
-        size = (len(batch), *shape)
-        if self._staging is None or tuple(self._staging.shape) != size:
-            self._staging = torch.empty(size, dtype=torch.uint8)
-        out = self._staging
+        out = torch.empty((len(batch), *shape), dtype=torch.uint8)
         for i, (img, _) in enumerate(batch):
             t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
             if not isinstance(t, torch.Tensor):
@@ -80,7 +79,7 @@ class FastCollatePatchMix(FastCollateMixup):
         return out, target
 
     def apply(self, batch: Sequence[Tuple[object, object]], params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Collate ``batch`` and mix it with ``params`` into a new uint8 batch."""
+        """Collate ``batch`` into a new uint8 batch and mix it in place with ``params``."""
         images, target = self.stack(batch)
         return self.mixer.apply(images, target, params)
 
@@ -106,4 +105,4 @@ class FastCollateGuidedPatchMix(FastCollatePatchMix):
 
     def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
         images, target = self.stack(batch)
-        return self.guided(images, target.long())
+        return self.guided(images, target)

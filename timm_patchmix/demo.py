@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     mixer = PatchMix(grid=args.grid, mode=args.mode, num_classes=len(ds.classes))
     gen = torch.Generator().manual_seed(args.seed)
     params = mixer.sample(args.num, generator=gen)
-    mixed, packed = mixer.apply(batch, labels, params)
+    mixed, packed = mixer.apply(batch.clone(), labels, params)
     image_t, _ = split_target(packed)
     picture = render_grid(batch, batch[params.partner], mixed, params.mask, labels.tolist(), image_t,
                           ds.classes, mixer.grid)

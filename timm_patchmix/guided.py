@@ -121,12 +121,21 @@ class ClassMemory:
     even when the batch holds none (a batch of 128 from 100 classes usually misses the partner class)."""
 
     def __init__(self, num_classes: int, size: int = 4):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f'memory_size must be a positive int, got {size!r}')
         self.num_classes, self.size = num_classes, size
         self.images: Optional[torch.Tensor] = None  # [num_classes, size, C, H, W]
         self.count = torch.zeros(num_classes, dtype=torch.long)
         self.next = torch.zeros(num_classes, dtype=torch.long)
 
     def update(self, x: torch.Tensor, labels: torch.Tensor) -> None:
+        """Remember the last ``size`` images of each class in ``x [B, C, H, W]`` (copies)."""
+        # the memory outlives this call: never let it become an inference tensor that a later call, outside
+        # inference_mode, could not write to
+        with torch.inference_mode(False):
+            self._update(x, labels)
+
+    def _update(self, x: torch.Tensor, labels: torch.Tensor) -> None:
         if self.images is None or self.images.shape[2:] != x.shape[1:] or self.images.device != x.device \
                 or self.images.dtype != x.dtype:
             self.images = torch.empty((self.num_classes, self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -207,14 +216,13 @@ class GuidedPatchMix:
 
     def sample(self, labels: torch.Tensor, *, generator: Optional[torch.Generator] = None
                ) -> Tuple[PatchMixParams, torch.Tensor, List[int]]:
-        """Params for a batch with class ``labels [B]``: ``(params over B + extra, guided flags [B], memory classes)``.
+        """Params for a batch with class ``labels [B]``: ``(params over B, guided flags [B], memory classes)``.
 
-        Partners with index >= B refer to extra images appended from the class memory, in the order of the returned
-        class list.
+        Partners with index >= B refer to extra images appended after the batch from the class memory, in the
+        order of the returned class list.
         """
-        lab = labels.cpu().tolist()
+        lab = self._check_labels(labels).cpu().tolist()
         b = len(lab)
-        rows, cols = self.grid
         base = self.mixer.sample(b, generator=generator)
         partner, mask = base.partner.clone(), base.mask.clone()
         guided = torch.zeros(b, dtype=torch.bool)
@@ -253,28 +261,32 @@ class GuidedPatchMix:
             clean = rest[torch.rand(len(rest), generator=generator) >= p_random]
             partner[clean] = clean
             mask[clean] = True
-        n_extra = len(extra)
-        if n_extra:
-            partner = torch.cat([partner, torch.arange(b, b + n_extra)])
-            mask = torch.cat([mask, torch.ones(n_extra, rows, cols, dtype=torch.bool)])
         return PatchMixParams(partner, mask), guided, extra
+
+    def _check_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        if not isinstance(labels, torch.Tensor) or labels.ndim != 1:
+            raise ValueError('GuidedPatchMix needs class-index targets [B] to find partners by class')
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f'GuidedPatchMix targets must be integer class indices, got dtype {labels.dtype}')
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ValueError(f'target labels must lie in [0, {self.num_classes}) for num_classes={self.num_classes}, '
+                             f'got min {int(labels.min())} and max {int(labels.max())}')
+        return labels
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor,
                  generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Mix ``x [B, C, H, W]`` with class-index ``target [B]``; returns ``(x_mixed, packed_target)``."""
-        if not isinstance(target, torch.Tensor) or target.ndim != 1:
-            raise ValueError('GuidedPatchMix needs class-index targets [B] to find partners by class')
-        b = x.shape[0]
+        """Mix ``x [B, C, H, W]`` with class-index ``target [B]`` in place, as ``PatchMix`` does; returns
+        ``(x, packed_target)``."""
+        self.mixer._check_image(x)
         params, guided, extra = self.sample(target, generator=generator)
+        source = None
         if extra:
             mem = torch.stack([self.memory.pick(c, generator) for c in extra]).to(x.device)
-            x_src = torch.cat([x, mem])
-            y_src = torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)])
-        else:
-            x_src, y_src = x, target
-        mixed, packed = self.mixer.apply(x_src, y_src, params.to(x.device))
-        self.memory.update(x, target)
+            source = (torch.cat([x, mem]),
+                      torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)]))
+        self.memory.update(x, target)  # the clean images, before x is mixed
+        mixed, packed = self.mixer.apply(x, target, params.to(x.device), source=source)
         n_guided = int(guided.sum())
-        n_clean = int((params.mask[:b].flatten(1).all(1) & ~guided).sum())
-        self.last_counts = {'guided': n_guided, 'clean': n_clean, 'random': b - n_guided - n_clean}
-        return mixed[:b], packed[:b]
+        n_clean = int((params.mask.flatten(1).all(1) & ~guided).sum())
+        self.last_counts = {'guided': n_guided, 'clean': n_clean, 'random': len(guided) - n_guided - n_clean}
+        return mixed, packed

@@ -13,8 +13,8 @@ import torch
 
 from .grid import GridSpec, cell_areas, cell_bounds, cell_mask_to_pixels, check_grid_fits, to_grid
 
-__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_into',
-           'mix_select_into', 'MIX_MODES']
+__all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_',
+           'mix_select_', 'MIX_MODES']
 
 MIX_MODES = ('elem', 'pair', 'batch')
 
@@ -54,8 +54,10 @@ class PatchMixParams:
         return cls(torch.arange(batch_size, device=device),
                    torch.ones(batch_size, rows, cols, dtype=torch.bool, device=device))
 
-    def validate(self, batch_size: int) -> None:
-        """Raise ``ValueError`` unless these params describe a batch of ``batch_size``."""
+    def validate(self, batch_size: int, num_sources: Optional[int] = None) -> None:
+        """Raise ``ValueError`` unless these params describe a batch of ``batch_size`` whose partners index
+        ``num_sources`` images (default: the batch itself)."""
+        n = batch_size if num_sources is None else num_sources
         if self.partner.ndim != 1 or self.partner.shape[0] != batch_size:
             raise ValueError(f'params.partner must have shape [{batch_size}], got {list(self.partner.shape)}')
         if self.partner.dtype != torch.long:
@@ -64,8 +66,8 @@ class PatchMixParams:
             raise ValueError(f'params.mask must have shape [{batch_size}, rows, cols], got {list(self.mask.shape)}')
         if self.mask.dtype != torch.bool:
             raise ValueError(f'params.mask must be bool, got {self.mask.dtype}')
-        if batch_size and (int(self.partner.min()) < 0 or int(self.partner.max()) >= batch_size):
-            raise ValueError(f'params.partner holds indices outside [0, {batch_size})')
+        if batch_size and (int(self.partner.min()) < 0 or int(self.partner.max()) >= n):
+            raise ValueError(f'params.partner holds indices outside [0, {n})')
 
 
 def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
@@ -160,42 +162,6 @@ def _random_cycle(n: int, generator: Optional[torch.Generator], device) -> torch
     return partner
 
 
-def _storage_users(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-class BufferPool:
-    """Recycles output tensors once nothing outside the pool refers to their memory.
-
-    Allocating a fresh batch-sized tensor on the CPU costs page faults worth several copies of the batch, so
-    outputs come from here. A buffer is handed out as an alias; any alias, view, autograd reference or numpy
-    array still alive keeps the storage's use count above the pool's own, and such a buffer is never reused.
-    """
-
-    def __init__(self, capacity: int = 2):
-        self.capacity = capacity
-        self._bufs = []  # (tensor, storage use count when only the pool holds it)
-        self._can_count = hasattr(torch._C, '_storage_Use_Count')
-
-    def get(self, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-        """An uninitialised tensor with ``like``'s device and memory format, free for the caller to keep."""
-        shape = tuple(like.shape) if shape is None else tuple(shape)
-        dtype = like.dtype if dtype is None else dtype
-        fmt = torch.channels_last if (len(shape) == 4 and like.ndim == 4 and like.shape[1] > 1
-                                      and like.is_contiguous(memory_format=torch.channels_last)
-                                      and not like.is_contiguous()) else torch.contiguous_format
-        if not self._can_count:
-            return torch.empty(shape, dtype=dtype, device=like.device, memory_format=fmt)
-        for buf, alone in self._bufs:
-            if (tuple(buf.shape) == shape and buf.dtype == dtype and buf.device == like.device
-                    and buf.is_contiguous(memory_format=fmt) and _storage_users(buf) == alone):
-                return buf.detach()
-        buf = torch.empty(shape, dtype=dtype, device=like.device, memory_format=fmt)
-        self._bufs.append((buf, _storage_users(buf)))
-        del self._bufs[:-self.capacity]
-        return buf.detach()
-
-
 def _wide_view(t: torch.Tensor, col_bounds: Tuple[int, ...]):
     """Reinterpret rows of ``t`` as 8-, 4- or 2-byte words when every cell edge allows it; copies are bitwise,
     and wider words mean fewer elements for the strided copy kernels to walk."""
@@ -212,30 +178,48 @@ def _wide_view(t: torch.Tensor, col_bounds: Tuple[int, ...]):
     return t, col_bounds
 
 
-def mix_cells_into(out: torch.Tensor, x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Write the mix of ``x`` into ``out`` (same shape): cell (r, c) of ``out[i]`` is that cell of ``x[i]`` where
-    ``mask[i, r, c]``, else of ``x[partner[i]]``. One gather per cell, each pixel read and written once."""
-    b, _, h, w = x.shape
+def _same_words(a: torch.Tensor, b: torch.Tensor, col_bounds: Tuple[int, ...]):
+    """Word views of ``a`` and ``b`` with one set of column bounds, or the plain tensors when they disagree."""
+    av, acb = _wide_view(a, col_bounds)
+    bv, bcb = _wide_view(b, col_bounds)
+    if acb != bcb:
+        return a, b, col_bounds
+    return av, bv, acb
+
+
+def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
+               source: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mix ``x [B, C, H, W]`` in place and return it: where ``mask[i, r, c]`` is False, cell (r, c) of ``x[i]``
+    becomes that cell of ``source[partner[i]]``.
+
+    ``source`` defaults to ``x`` itself. Each cell is gathered into a temporary before it is written, and cells
+    do not overlap, so chains and swaps of partners always read the original pixels. Only the cells that change
+    are touched: about half the batch for fair-coin masks.
+    """
+    src = x if source is None else source
+    h, w = x.shape[-2:]
     rows, cols = mask.shape[1:]
     rb, cb = cell_bounds(h, rows), cell_bounds(w, cols)
-    src = torch.where(mask, torch.arange(b, device=mask.device).view(b, 1, 1), partner.view(b, 1, 1))
-    src = src.permute(1, 2, 0).contiguous()  # [rows, cols, B]: one contiguous index row per cell
-    xv, xcb = _wide_view(x, cb)
-    ov, ocb = _wide_view(out, cb)
-    if xcb != ocb:  # the two layouts allow different words: fall back to elements
-        xv, ov, xcb = x, out, cb
+    take = (~mask).permute(1, 2, 0).contiguous()  # [rows, cols, B]: the samples that change, cell by cell
+    xv, sv, wcb = _same_words(x, src, cb)
     for r in range(rows):
         for c in range(cols):
-            torch.index_select(xv[:, :, rb[r]:rb[r + 1], xcb[c]:xcb[c + 1]], 0, src[r, c],
-                               out=ov[:, :, rb[r]:rb[r + 1], xcb[c]:xcb[c + 1]])
-    return out
+            idx = take[r, c].nonzero().flatten()
+            if idx.numel() == 0:
+                continue
+            region = (slice(None), slice(None), slice(rb[r], rb[r + 1]), slice(wcb[c], wcb[c + 1]))
+            xv[region].index_copy_(0, idx, sv[region].index_select(0, partner[idx]))
+    return x
 
 
-def mix_select_into(out: torch.Tensor, x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The same mix as :func:`mix_cells_into` in two whole-batch kernels: gather the partners, then select per
-    pixel. It moves more bytes but launches no per-cell kernels, which is what a GPU prefers."""
+def mix_select_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
+                source: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same in-place mix as :func:`mix_cells_` in two whole-batch kernels: gather the partners into a new
+    tensor, then select per pixel into ``x``. It moves more bytes but launches no per-cell kernels and needs no
+    device sync, which is what a GPU prefers."""
+    src = x if source is None else source
     pix = cell_mask_to_pixels(mask, x.shape[-2], x.shape[-1]).unsqueeze(1)
-    return torch.where(pix, x, x.index_select(0, partner), out=out)
+    return torch.where(pix, x, src.index_select(0, partner), out=x)
 
 
 class PatchMix:
@@ -255,8 +239,9 @@ class PatchMix:
         label_smoothing: smoothing applied alike to image and patch targets.
         num_classes: number of classes of the targets.
 
-    ``x`` is never modified. The mixed batch is a new tensor with ``x``'s dtype, device and memory format; its
-    memory is recycled from a small pool once nothing refers to an earlier output any more.
+    Like timm's ``Mixup``, the batch is mixed **in place**: ``x`` itself is returned, holding the mixed images
+    (clone it first to keep the originals). No memory is kept between calls, so the mixer is safe wherever its
+    output goes: DataLoader workers, pinned or shared memory, ``inference_mode``.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
@@ -277,7 +262,6 @@ class PatchMix:
         self.mode = mode
         self.label_smoothing = float(label_smoothing)
         self.num_classes = num_classes
-        self._pool = BufferPool()
         self.mixup_enabled = True  # timm's train loop switches mixing off through this flag
 
     @property
@@ -337,26 +321,35 @@ class PatchMix:
             raise ValueError(f'x must be a 4-D image batch [B, C, H, W], got {shape}')
         check_grid_fits(x.shape[2], x.shape[3], *self.grid)
 
-    def apply(self, x: torch.Tensor, target: torch.Tensor, params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Mix ``x [B, C, H, W]`` with ``params`` and return ``(x_mixed, packed_target)``.
+    def apply(self, x: torch.Tensor, target: torch.Tensor, params: PatchMixParams,
+              source: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Mix ``x [B, C, H, W]`` in place with ``params`` and return ``(x, packed_target)``.
 
         ``target`` is class indices ``[B]`` or a one-hot/soft ``[B, num_classes]``. The packed target is float32
-        on ``x``'s device whatever the image dtype.
+        on ``x``'s device whatever the image dtype. ``source``, when given, is ``(images [N, C, H, W], targets [N])``
+        that ``params.partner`` indexes instead of the batch itself (the guided mixer appends remembered images to
+        a copy of the batch this way).
         """
         self._check_image(x)
         b, _, h, w = x.shape
-        params.validate(b)
+        src_x, src_t = (None, None) if source is None else source
+        if src_x is not None and (not isinstance(src_x, torch.Tensor) or src_x.shape[1:] != x.shape[1:]):
+            got = list(src_x.shape) if isinstance(src_x, torch.Tensor) else type(src_x).__name__
+            raise ValueError(f'source images must have shape [N, {", ".join(map(str, x.shape[1:]))}], got {got}')
+        params.validate(b, None if src_x is None else src_x.shape[0])
         if params.grid != self.grid:
             raise ValueError(f'params are for a {params.grid[0]}x{params.grid[1]} grid but this mixer uses '
                              f'{self.grid[0]}x{self.grid[1]}')
         y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=x.device)
+        y_src = y if src_x is None else soft_target(src_t, self.num_classes, self.label_smoothing,
+                                                    batch_size=src_x.shape[0], device=x.device)
         partner = params.partner.to(x.device)
         mask = params.mask.to(x.device)
-        mix = mix_select_into if x.device.type == 'cuda' else mix_cells_into
-        out = mix(self._pool.get(x), x, partner, mask)
+        mix = mix_select_ if x.device.type == 'cuda' else mix_cells_
+        mix(x, partner, mask, None if src_x is None else src_x.to(x.device))
         areas = cell_areas(h, w, self.grid, device=x.device)
         lam = (mask.to(torch.float64) * areas).sum((1, 2)) / (h * w)
-        return out, pack_target(y, y[partner], lam, mask)
+        return x, pack_target(y, y_src[partner], lam, mask)
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor,
                  generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -125,7 +125,7 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     masks = torch.stack([torch.as_tensor(np.asarray(table.masks[k], dtype=bool)) for k in range(m)])
     params = PatchMixParams(torch.cat([torch.arange(m, 2 * m), torch.arange(m, 2 * m)]),
                             torch.cat([masks, torch.ones_like(masks)]))
-    mixed, packed = PatchMix(grid=table.grid, num_classes=table.num_classes).apply(x, y, params)
+    mixed, packed = PatchMix(grid=table.grid, num_classes=table.num_classes).apply(x.clone(), y, params)
     image_t, _ = split_target(packed)
     names = table.class_names or [str(c) for c in range(table.num_classes)]
     picture = render_grid(x[:m], x[m:], mixed[:m], masks, y[:m].tolist(), image_t[:m], names, table.grid)
