@@ -96,3 +96,28 @@ def test_guided_collate_mixer_cells_match_labels_with_workers(workers, persisten
                          ids=['patchmix', 'patchmix-pair', 'guided'])
 def test_tensor_mixers_on_worker_batches(make):
     _run(_loader(None, 2, False, False), mixer=make())
+
+
+def _ddp_rank(rank, world, init_file, results):
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    try:
+        collate = FastCollatePatchMix(grid=GRID, num_classes=NUM_CLASSES)
+        loader = create_loader(
+            ConstantColours(160), input_size=(3, SIZE, SIZE), batch_size=16, is_training=True, collate_fn=collate,
+            device=torch.device('cpu'), num_workers=1, distributed=True, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0),
+            hflip=0.5, color_jitter=0.0, scale=(0.5, 1.0))
+        _run(loader, epochs=1)
+        seen = torch.tensor([sum(x.shape[0] for x, _ in loader)])
+        dist.all_reduce(seen)
+        results[rank] = int(seen)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collate_mixer_under_ddp_two_ranks(tmp_path):
+    """Two gloo ranks, each with a loader worker and its share of the data (DistributedSampler)."""
+    import torch.multiprocessing as mp
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_rank, args=(2, str(tmp_path / 'init'), results), nprocs=2)
+    assert dict(results) == {0: 160, 1: 160}
