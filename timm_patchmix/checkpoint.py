@@ -9,16 +9,21 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import tempfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .validation import Fields, check_weights_meta, is_int
+
 __all__ = ['atomic_write_bytes', 'atomic_write_text', 'save_weights', 'load_weights', 'save_state', 'load_state',
-           'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle']
+           'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle', 'clean_stale_temps',
+           'temp_dir', 'release_temp']
 
 _META_KEY = 'timm_patchmix'
 
@@ -27,11 +32,77 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, tampered with or of the wrong kind."""
 
 
+# A temporary file or folder of this project's writers: ``.<target name>.patchmix-<pid>-<random>.tmp`` beside its
+# target. A writer killed before its rename leaves one behind; the next write into that folder removes those whose
+# process is gone (see clean_stale_temps).
+_TEMP_NAME = re.compile(r'^\..+\.patchmix-(\d+)-[A-Za-z0-9_]+\.tmp$')
+_ACTIVE: Set[str] = set()  # this process's temporaries in flight
+
+
+def temp_prefix(path: str) -> str:
+    """The name prefix of the temporaries for ``path`` (the suffix is ``.tmp``)."""
+    return f'.{os.path.basename(os.path.normpath(path))}.patchmix-{os.getpid()}-'
+
+
+def _process_gone(pid: int) -> bool:
+    if pid == os.getpid() or os.name != 'posix':
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def clean_stale_temps(folder: str) -> List[str]:
+    """Remove the temporaries that killed writers of this project left in ``folder``: those of a process that no
+    longer exists, and this process's own that are not in flight. Returns the paths removed."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _TEMP_NAME.match(name)
+        if not m:
+            continue
+        path = os.path.join(folder, name)
+        pid = int(m.group(1))
+        if path in _ACTIVE or not (_process_gone(pid) or pid == os.getpid()):
+            continue
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def temp_dir(path: str) -> str:
+    """A new temporary folder beside ``path`` (for a folder built then renamed into place); call
+    :func:`release_temp` once it is renamed or removed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = tempfile.mkdtemp(prefix=temp_prefix(path), suffix='.tmp', dir=folder)
+    _ACTIVE.add(tmp)
+    return tmp
+
+
+def release_temp(tmp: str) -> None:
+    _ACTIVE.discard(tmp)
+
+
 def _atomic(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp', dir=folder)
+    clean_stale_temps(folder)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix='.tmp', dir=folder)
     os.close(fd)
+    _ACTIVE.add(tmp)
     try:
         write(tmp)
         umask = os.umask(0)
@@ -44,6 +115,8 @@ def _atomic(path: str, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        _ACTIVE.discard(tmp)
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -81,12 +154,73 @@ def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         meta = json.loads(md.get(_META_KEY, '{}'))
     except json.JSONDecodeError as e:
         raise CheckpointError(f'{path} has corrupt metadata: {e}') from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f'{path}: the {_META_KEY} metadata must be a JSON object, got {type(meta).__name__}')
+    if meta.get('kind') is not None and not isinstance(meta['kind'], str):
+        raise CheckpointError(f'{path}: metadata kind must be a string, got {meta["kind"]!r}')
     return tensors, meta
 
 
+def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
+    """Types and ranges of a training state's metadata, before a resume uses any of it."""
+    f = Fields(path, CheckpointError)
+    epoch = f.int(meta.get('epoch'), 'epoch', lo=0)
+    if meta.get('rows') is not None:
+        rows = f.list(meta['rows'], 'rows', epoch + 1)
+        for k, row in enumerate(rows):
+            f.dict(row, f'rows[{k}]')
+            for key, v in row.items():
+                if key == 'epoch':
+                    f.int(v, f'rows[{k}].epoch', lo=k, hi=k)
+                else:
+                    f.number(v, f'rows[{k}].{key}')
+    best = meta.get('best')
+    if best is not None:
+        f.dict(best, 'best')
+        f.number(best.get('score'), 'best.score')
+        f.int(best.get('epoch'), 'best.epoch', lo=0, hi=epoch)
+        if best.get('metric') not in ('top1', 'top5', 'loss'):
+            f.fail('best.metric', "'top1', 'top5' or 'loss'", best.get('metric'))
+    if meta.get('updates') is not None:
+        f.int(meta['updates'], 'updates', lo=0)
+    if meta.get('seed') is not None:
+        f.int(meta['seed'], 'seed')
+    for key in ('args', 'settings'):
+        if meta.get(key) is not None:
+            f.dict(meta[key], key)
+    if meta.get('optimizer') is not None:
+        om = f.dict(meta['optimizer'], 'optimizer')
+        for idx, entry in f.dict(om.get('state'), 'optimizer.state').items():
+            if not idx.isdigit():
+                f.fail('optimizer.state keys', 'parameter indices', idx)
+            f.dict(entry, f'optimizer.state.{idx}')
+        for k, group in enumerate(f.list(om.get('param_groups'), 'optimizer.param_groups')):
+            f.dict(group, f'optimizer.param_groups[{k}]')
+            for j, p in enumerate(f.list(group.get('params'), f'optimizer.param_groups[{k}].params')):
+                f.int(p, f'optimizer.param_groups[{k}].params[{j}]', lo=0)
+    rng = f.dict(meta.get('rng'), 'rng')
+    np_state = f.list(rng.get('numpy'), 'rng.numpy', 4)
+    f.str(np_state[0], 'rng.numpy[0]')
+    f.int(np_state[1], 'rng.numpy[1]', lo=0, hi=624)
+    f.int(np_state[2], 'rng.numpy[2]', lo=0, hi=1)
+    f.number(np_state[3], 'rng.numpy[3]')
+    py = f.list(rng.get('python'), 'rng.python', 3)
+    f.int(py[0], 'rng.python[0]')
+    internal = f.list(py[1], 'rng.python[1]', 625)
+    if not all(is_int(v) and 0 <= v <= 0xFFFFFFFF for v in internal):
+        f.fail('rng.python[1]', '625 integers of the Mersenne Twister state', internal)
+    if py[2] is not None:
+        f.number(py[2], 'rng.python[2]')
+
+
 def load_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Read weights written by :func:`save_weights` (or any safetensors state dict): ``(state_dict, meta)``."""
+    """Read weights written by :func:`save_weights` (or any safetensors state dict): ``(state_dict, meta)``.
+    The metadata's fields are checked (types and ranges) before they are returned."""
     tensors, meta = _read(path)
+    if meta.get('kind') == 'train_state':
+        _check_train_meta(path, meta)
+    else:
+        check_weights_meta(meta, Fields(path, CheckpointError))
     return {k[len('model.'):] if meta.get('kind') == 'train_state' else k: v for k, v in tensors.items()
             if meta.get('kind') != 'train_state' or k.startswith('model.')}, meta
 
@@ -161,6 +295,7 @@ def load_state(path: str) -> Dict[str, Any]:
     if meta.get('kind') != 'train_state':
         raise CheckpointError(f'{path} holds model weights only, not a training state to resume from; '
                               f'use --initial-checkpoint to start from these weights')
+    _check_train_meta(path, meta)
     try:
         model = {k[len('model.'):]: v for k, v in tensors.items() if k.startswith('model.')}
         extra = {k[len('extra.'):]: v for k, v in tensors.items() if k.startswith('extra.')}

@@ -13,6 +13,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
+from .cli_types import directory, positive_int
 from .data import PatchShapes
 from .grid import cell_bounds
 from .mix import PatchMix, split_target
@@ -54,14 +55,19 @@ def render_grid(images, partners, mixed, mask, labels, image_t, classes, grid, s
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--output', default='output/demo', help='folder for patchmix_samples.png and its JSON')
-    parser.add_argument('--num', type=int, default=8, help='number of mixed samples to show')
-    parser.add_argument('--grid', type=int, default=4, help='grid size P')
+    parser.add_argument('--output', default='output/demo', type=directory,
+                        help='folder for patchmix_samples.png and its JSON')
+    parser.add_argument('--num', type=positive_int, default=8, help='number of mixed samples to show')
+    parser.add_argument('--grid', type=positive_int, default=4, help='grid size P')
     parser.add_argument('--mode', default='elem', choices=('elem', 'pair', 'batch'))
     parser.add_argument('--seed', type=int, default=0)
     args = parser.parse_args(argv)
 
     ds = PatchShapes('train', num_samples=max(args.num, 2) * 4)
+    size = ds[0][0].shape[-2:]
+    if args.grid > min(size):
+        parser.error(f'argument --grid: a {args.grid}x{args.grid} grid does not fit the {size[0]}x{size[1]} images '
+                     f'(each cell needs a pixel); use at most {min(size)}')
     batch = torch.stack([ds[i][0] for i in range(args.num)])
     labels = torch.tensor([ds[i][1] for i in range(args.num)])
     mixer = PatchMix(grid=args.grid, mode=args.mode, num_classes=len(ds.classes))

@@ -12,6 +12,7 @@ import torch
 
 from .checkpoint import atomic_write_text
 from .grid import GridSpec, to_grid
+from .validation import Fields, is_int
 from .mix import PatchMix, PatchMixParams
 
 __all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION', 'GuidedPatchMix', 'ClassMemory']
@@ -63,44 +64,69 @@ class MaskTable:
         atomic_write_text(path, self.to_json())
 
     @classmethod
+    def _from_doc(cls, doc: Dict[str, Any], f: Fields) -> 'MaskTable':
+        """A table from its JSON document, every field checked for type and range (errors name the field)."""
+        for key in ('grid', 'num_classes', 'dataset_fingerprint', 'pairs'):
+            if key not in doc:
+                raise f.error(f'{f.where}: the field {key!r} is missing')
+        rows, cols = f.grid(doc['grid'], 'grid')
+        n = f.int(doc['num_classes'], 'num_classes', lo=1)
+        names = doc.get('class_names')
+        names = [] if names is None or names == [] else list(f.str_list(names, 'class_names', n))
+        fingerprint = f.str(doc['dataset_fingerprint'], 'dataset_fingerprint', nonempty=True)
+        entries = f.list(doc['pairs'], 'pairs')
+        if not entries:
+            raise f.error(f'{f.where} holds no pairs')
+        pairs, masks, scores, seen = [], [], [], {}
+        for k, e in enumerate(entries):
+            field_k = f'pairs[{k}]'
+            f.dict(e, field_k)
+            if 'classes' not in e or 'mask' not in e:
+                raise f.error(f'{f.where}: {field_k} needs the fields "classes" and "mask", got {sorted(e)}')
+            ij = f.list(e['classes'], f'{field_k}.classes', 2)
+            i, j = (f.int(v, f'{field_k}.classes[{q}]', lo=0, hi=n - 1) for q, v in enumerate(ij))
+            key = (min(i, j), max(i, j))
+            if key in seen:
+                raise f.error(f'{f.where}: {field_k} repeats the class pair of pairs[{seen[key]}] ({i}, {j}); '
+                              f'each pair may appear once')
+            seen[key] = k
+            mask = f.list(e['mask'], f'{field_k}.mask', rows)
+            for r, row in enumerate(mask):
+                f.list(row, f'{field_k}.mask[{r}]', cols)
+                for c, v in enumerate(row):
+                    if not (isinstance(v, bool) or (is_int(v) and v in (0, 1))):
+                        f.fail(f'{field_k}.mask[{r}][{c}]', '0 or 1 (an integer or a boolean)', v)
+            pair_names = e.get('names')
+            if pair_names is not None and names:
+                if pair_names != [names[i], names[j]]:
+                    f.fail(f'{field_k}.names', f'the class names of ({i}, {j}), {[names[i], names[j]]!r}', pair_names)
+            score = e.get('score', float('nan'))
+            pairs.append((i, j))
+            masks.append(np.array(mask, dtype=bool).reshape(rows, cols))
+            scores.append(float(f.number(score, f'{field_k}.score')))
+        best = float(f.number(doc.get('best_fitness', float('nan')), 'best_fitness'))
+        search_args = doc.get('search_args')
+        search_args = {} if search_args is None else dict(f.dict(search_args, 'search_args'))
+        return cls((rows, cols), n, names, fingerprint, pairs, masks, scores, best, search_args)
+
+    @classmethod
     def load(cls, path: str, *, grid: Optional[Tuple[int, int]] = None, num_classes: Optional[int] = None,
              fingerprint: Optional[str] = None) -> 'MaskTable':
         """Read and validate a table; the keyword arguments are the run's values it must match."""
         try:
-            with open(path) as f:
+            with open(path, encoding='utf-8') as f:
                 doc = json.load(f)
         except FileNotFoundError:
             raise MaskTableError(f'mask table {path} does not exist') from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MaskTableError(f'mask table {path} is not valid JSON (truncated or corrupt?): {e}') from None
-        if not isinstance(doc, dict) or doc.get('schema_version') != SCHEMA_VERSION:
-            got = doc.get('schema_version') if isinstance(doc, dict) else None
+        except OSError as e:
+            raise MaskTableError(f'mask table {path} cannot be read: {e}') from None
+        got = doc.get('schema_version') if isinstance(doc, dict) else None
+        if not is_int(got) or got != SCHEMA_VERSION:
             raise MaskTableError(f'mask table {path} has schema version {got!r}; this version of timm_patchmix '
                                  f'reads version {SCHEMA_VERSION}')
-        try:
-            t_grid = tuple(int(v) for v in doc['grid'])
-            t_classes = int(doc['num_classes'])
-            names = list(doc.get('class_names') or [])
-            pairs, masks, scores = [], [], []
-            for e in doc['pairs']:
-                i, j = (int(v) for v in e['classes'])
-                m = np.asarray(e['mask'], dtype=bool)
-                if m.shape != t_grid:
-                    raise MaskTableError(f'{path}: mask of pair ({i}, {j}) has shape {list(m.shape)}, the table '
-                                         f'grid is {t_grid[0]}x{t_grid[1]}')
-                if not (0 <= i < t_classes and 0 <= j < t_classes):
-                    raise MaskTableError(f'{path}: pair ({i}, {j}) is outside the {t_classes} classes')
-                pairs.append((i, j))
-                masks.append(m)
-                scores.append(float(e.get('score', float('nan'))))
-            table = cls(t_grid, t_classes, names, str(doc['dataset_fingerprint']), pairs, masks, scores,
-                        float(doc.get('best_fitness', float('nan'))), dict(doc.get('search_args') or {}))
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, MaskTableError):
-                raise
-            raise MaskTableError(f'mask table {path} is missing or has malformed fields: {e!r}') from None
-        if not table.pairs:
-            raise MaskTableError(f'mask table {path} holds no pairs')
+        table = cls._from_doc(doc, Fields(f'mask table {path}', MaskTableError))
         if grid is not None and tuple(grid) != table.grid:
             raise MaskTableError(f'mask table {path} was searched for a {table.grid[0]}x{table.grid[1]} grid, '
                                  f'this run uses {grid[0]}x{grid[1]}')

@@ -18,14 +18,16 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import timm
 
-from .checkpoint import CheckpointError, atomic_write_text, load_weights, save_weights
+from .checkpoint import (CheckpointError, atomic_write_text, clean_stale_temps, load_weights, release_temp,
+                         save_weights, temp_dir)
+from .validation import Fields, check_hub_config
+from .cli_types import directory, existing_file, file_or_name, new_file
 
 __all__ = ['model_from_weights', 'export_folder', 'push', 'load_model', 'load_backbone', 'backbone_state_dict',
            'export_backbone', 'main']
@@ -43,7 +45,11 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     _check_registered(arch, path)
     kwargs = dict(meta.get('model_kwargs') or {})
     kwargs.update(num_classes=meta.get('num_classes'), **overrides)
-    model = timm.create_model(arch, **kwargs)
+    try:
+        model = timm.create_model(arch, **kwargs)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
+                              f'{kwargs}: {e}') from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f'{path} does not fit {arch}: missing {list(missing)[:5]}, '
@@ -80,6 +86,7 @@ def _read_config(source: str, cache_dir=None) -> Dict[str, Any]:
         raise CheckpointError(f'{source}: config.json is not readable JSON ({e})') from e
     if not isinstance(cfg, dict) or not isinstance(cfg.get('architecture'), str):
         raise CheckpointError(f'{source}: config.json names no architecture; it is not a timm model config')
+    check_hub_config(cfg, Fields(f'{source}: config.json', CheckpointError))
     return cfg
 
 
@@ -98,14 +105,18 @@ def _summary(checkpoint: str) -> Optional[Dict[str, Any]]:
     path = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), 'summary.csv')
     if not os.path.isfile(path):
         return None
-    with open(path, newline='') as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return None
-    top1 = [float(r['eval_top1']) for r in rows if r.get('eval_top1')]
-    out = {'epochs': len(rows), 'final_top1': top1[-1] if top1 else None, 'best_top1': max(top1) if top1 else None}
-    if rows[-1].get('eval_top5'):
-        out['final_top5'] = float(rows[-1]['eval_top5'])
+    try:
+        with open(path, newline='', encoding='utf-8') as f:
+            rows = list(csv.DictReader(f))
+        if not rows:
+            return None
+        top1 = [float(r['eval_top1']) for r in rows if r.get('eval_top1')]
+        out = {'epochs': len(rows), 'final_top1': top1[-1] if top1 else None,
+               'best_top1': max(top1) if top1 else None}
+        if rows[-1].get('eval_top5'):
+            out['final_top5'] = float(rows[-1]['eval_top5'])
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, TypeError) as e:
+        raise CheckpointError(f'{path}: eval_top1/eval_top5 must be numbers in a readable CSV ({e})') from None
     return out
 
 
@@ -165,8 +176,9 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     and an existing folder is replaced only with ``overwrite``.
     """
     from timm.models._hub import save_config_for_hf
-    from .guided import MaskTable
-    if os.path.exists(folder) and not overwrite:
+    from .guided import MaskTable, MaskTableError, dataset_fingerprint
+    _check_destination(checkpoint, folder, table)
+    if os.path.lexists(folder) and not overwrite:
         raise FileExistsError(f'{folder} exists; pass overwrite=True (--overwrite) to replace it')
     model, meta = model_from_weights(checkpoint)
     arch = meta['model']
@@ -175,15 +187,28 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
                               f'patchhead checkpoint')
     repo_id = repo_id or f'<user>/{os.path.basename(os.path.normpath(folder))}'
     table = table or (meta.get('patchmix') or {}).get('table') or None
+    data = meta.get('data') or {}
     table_doc = None
     if table:
         if not os.path.isfile(table):
             raise CheckpointError(f'{checkpoint} trained with the mask table {table}, which is not there; pass '
                                   f'--table with its path')
-        MaskTable.load(table, grid=tuple(model.grid), num_classes=model.num_classes)
+        _check_destination(checkpoint, folder, table)
+        names = meta.get('class_names')
+        if not names:
+            raise CheckpointError(f'{checkpoint} records no class names, so the mask table {table} cannot be '
+                                  f'checked against the dataset the model was trained on; export without a table')
+        try:
+            loaded = MaskTable.load(table, grid=tuple(model.grid), num_classes=model.num_classes,
+                                    fingerprint=dataset_fingerprint(data.get('dataset') or '', names))
+        except MaskTableError as e:
+            raise CheckpointError(f'the mask table does not belong to the model in {checkpoint} (dataset '
+                                  f'{data.get("dataset") or "patchshapes"}): {e}') from None
+        if loaded.class_names and loaded.class_names != list(names):
+            raise CheckpointError(f'the mask table {table} names the classes {loaded.class_names}, the model in '
+                                  f'{checkpoint} was trained on {list(names)}')
         with open(table, encoding='utf-8') as f:
             table_doc = json.load(f)
-    data = meta.get('data') or {}
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = {k: data[k] for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct') if data.get(k)}
@@ -197,13 +222,21 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     if meta.get('class_names'):
         model_config['label_names'] = list(meta['class_names'])
     parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.hub-', dir=parent)
+    created = []  # the folders above the destination this export makes, removed again if it fails
+    d = parent
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
+    tmp = old = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        clean_stale_temps(parent)
+        tmp = temp_dir(folder)
         save_weights(os.path.join(tmp, 'model.safetensors'), model.state_dict())
         save_config_for_hf(model, os.path.join(tmp, 'config.json'), model_config=model_config,
                            model_args=model_args, data_config=data_config)
-        cfg = json.load(open(os.path.join(tmp, 'config.json')))
+        with open(os.path.join(tmp, 'config.json'), encoding='utf-8') as f:
+            cfg = json.load(f)
         cfg['model_args'].pop('num_classes', None)  # the root num_classes is the checkpoint's; a load may change it
         atomic_write_text(os.path.join(tmp, 'config.json'), json.dumps(cfg, indent=2) + '\n')
         if table_doc is not None:
@@ -211,17 +244,61 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         atomic_write_text(os.path.join(tmp, 'README.md'),
                           _model_card(repo_id, arch, meta, metrics, table_doc))
         os.chmod(tmp, 0o755)
-        if os.path.exists(folder):
-            old = tempfile.mkdtemp(prefix='.hub-old-', dir=parent)
+        if os.path.lexists(folder):
+            old = temp_dir(folder)
             os.replace(folder, os.path.join(old, 'x'))
-            os.replace(tmp, folder)
+            try:
+                os.replace(tmp, folder)
+            except BaseException:
+                os.replace(os.path.join(old, 'x'), folder)  # put the existing folder back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, folder)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for t in (tmp, old):
+            if t is not None and not os.path.lexists(os.path.join(t, 'x')):  # never the folder being replaced
+                shutil.rmtree(t, ignore_errors=True)
+        for d in created:  # deepest first; stop at the first that something else has filled meanwhile
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
         raise
+    finally:
+        for t in (tmp, old):
+            if t is not None:
+                release_temp(t)
     return folder
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (symbolic links resolved)."""
+    p, f = os.path.realpath(path), os.path.realpath(folder)
+    return p == f or p.startswith(f.rstrip(os.sep) + os.sep)
+
+
+def _check_destination(checkpoint: str, folder: str, table: Optional[str]) -> None:
+    """Refuse an export destination that replacing would delete inputs with: the checkpoint, its run folder (its
+    state, last and best checkpoints, summary.csv...) or the mask table."""
+    if not os.path.lexists(folder):
+        return
+    if not os.path.isdir(folder):
+        raise FileExistsError(f'{folder} exists and is not a folder; an export writes a folder there, so choose '
+                              f'another --output')
+    run = os.path.dirname(os.path.abspath(checkpoint))
+    what = None
+    if _within(run, folder):
+        what = (f'is the run folder of {checkpoint}' if os.path.realpath(run) == os.path.realpath(folder)
+                else f'contains the run folder {run} of {checkpoint}')
+        what += ' (its checkpoints, state.safetensors, summary.csv)'
+    elif _within(checkpoint, folder):
+        what = f'contains the checkpoint {checkpoint}'
+    elif table and _within(table, folder):
+        what = f'contains the mask table {table}'
+    if what:
+        raise FileExistsError(f'refusing to export into {folder}: it {what}, which replacing it would delete; '
+                              f'choose another --output')
 
 
 def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[str] = None,
@@ -304,22 +381,26 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest='cmd', required=True)
     for name in ('push', 'export'):
         q = sub.add_parser(name)
-        q.add_argument('--checkpoint', required=True, help='a train.py checkpoint (best.safetensors)')
-        q.add_argument('--table', default=None, help='the mask table (default: the one the checkpoint trained with)')
+        q.add_argument('--checkpoint', required=True, type=existing_file,
+                       help='a train.py checkpoint (best.safetensors)')
+        q.add_argument('--table', default=None, type=existing_file,
+                       help='the mask table (default: the one the checkpoint trained with)')
         q.add_argument('--overwrite', action='store_true', help='replace an existing folder')
         if name == 'push':
             q.add_argument('--repo-id', required=True)
             q.add_argument('--dry-run', action='store_true', help='write the folder, upload nothing')
-            q.add_argument('--folder', default=None, help='where to write the folder (default output/hub/<name>)')
+            q.add_argument('--folder', default=None, type=directory,
+                           help='where to write the folder (default output/hub/<name>)')
             q.add_argument('--private', action='store_true')
             q.add_argument('--revision', default=None)
             q.add_argument('--token', default=None, help='default: HF_TOKEN or the stored login')
         else:
-            q.add_argument('--output', required=True)
+            q.add_argument('--output', required=True, type=directory)
             q.add_argument('--repo-id', default=None, help='the repo id the model card names')
     q = sub.add_parser('backbone', help='write the plain timm backbone of a patchhead model as safetensors')
-    q.add_argument('source', help='checkpoint file, hf-hub:<repo>, local-dir:<folder> or a registered tag')
-    q.add_argument('--output', required=True)
+    q.add_argument('source', type=file_or_name,
+                   help='checkpoint file, hf-hub:<repo>, local-dir:<folder> or a registered tag')
+    q.add_argument('--output', required=True, type=new_file)
     a = p.parse_args(argv)
     try:
         if a.cmd == 'export':

@@ -7,8 +7,10 @@
 Phases per seed: (1) Random PatchMix f_T, (2) the search with f_T as fitness, (3) a grid of guided samples from the
 searched table, (4) the final model f_O on clean, random and guided samples. Base, Mixup and CutMix train at the
 same budget. Each finished phase leaves ``done.json`` and is skipped on a rerun; an interrupted training or search
-resumes from its own state file. The report (``report.md``, ``report.json``, ``fitness.png``, ``pairs.png``,
-``guided_samples.png``, ``masks.json``) goes to ``--output``.
+resumes from its own state file. Each phase records the settings it ran with in ``settings.json``: a rerun with other
+settings (budget, dataset, model, ``--train-args``...) stops with exit status 2 and names each difference before it
+writes anything, instead of reusing or resuming phases made with the old settings. The report (``report.md``,
+``report.json``, ``fitness.png``, ``pairs.png``, ``guided_samples.png``, ``masks.json``) goes to ``--output``.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ import io
 import json
 import os
 import statistics
+import sys
 from typing import Any, Dict, List
 
 import numpy as np
 import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
+from .cli_types import directory, optional_directory
+from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
     # flags for train.py, and for search.py
@@ -42,14 +47,59 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--budget', choices=sorted(BUDGETS), default='smoke')
     p.add_argument('--dataset', default='', help="'' (embedded patchshapes), fashion_mnist, or a timm dataset")
-    p.add_argument('--data-dir', default='')
+    p.add_argument('--data-dir', default='', type=optional_directory)
     p.add_argument('--model', default='resnet32_cifar', help='backbone; the PatchMix phases use patchhead_<model>')
     p.add_argument('--seeds', type=int, nargs='+', default=[0])
     p.add_argument('--methods', nargs='+', choices=METHODS, default=list(METHODS))
-    p.add_argument('--output', default='output/pipeline')
+    p.add_argument('--output', default='output/pipeline', type=directory)
     p.add_argument('--train-args', nargs=argparse.REMAINDER, default=[],
                    help='extra train.py flags for every training run (last on the line)')
     return p
+
+
+SETTINGS_FILE = 'settings.json'
+
+
+def _phase_settings(args, seed: int, inputs: Dict[str, Any] = None) -> Dict[str, Any]:
+    """What a phase's outputs depend on; ``inputs`` adds files made by earlier phases, compared by content."""
+    return dict({'--budget': args.budget, '--dataset': args.dataset, '--data-dir': args.data_dir,
+                 '--model': args.model, 'seed': seed, '--train-args': list(args.train_args)}, **(inputs or {}))
+
+
+def _check_phase(args, folder: str, settings: Dict[str, Any]) -> bool:
+    """Refuse a phase folder made with other settings (:class:`SettingsChangedError`); True when it has a record."""
+    recorded = read_settings(os.path.join(folder, SETTINGS_FILE))
+    if recorded is None:
+        if os.path.isdir(folder) and os.listdir(folder):
+            raise SettingsChangedError(
+                f'cannot reuse {folder}: it holds outputs without {SETTINGS_FILE}, the record of the settings they '
+                f'were made with, so they may come from other settings. Choose another --output for this run (or '
+                f'delete {folder} first).')
+        return False
+    check_settings(recorded, settings, f'cannot reuse {folder}: it was made',
+                   f'Rerun with the settings it was made with, or choose another --output for the new settings (or '
+                   f'delete {args.output} first).')
+    return True
+
+
+def _begin_phase(args, folder: str, settings: Dict[str, Any]) -> None:
+    """Check a phase's folder against ``settings``, and record them when the phase starts afresh."""
+    if not _check_phase(args, folder, settings):
+        write_settings(os.path.join(folder, SETTINGS_FILE), settings)
+
+
+def _check_all_phases(args) -> None:
+    """Compare every phase folder this run would reuse with its settings before any phase runs, so a refused rerun
+    writes nothing. Files that earlier phases make (f_T, the table) are compared when their phase starts."""
+    for seed in args.seeds:
+        root = os.path.join(args.output, f'seed{seed}')
+        names = [m for m in ('base', 'mixup', 'cutmix') if m in args.methods]
+        if 'random_pm' in args.methods or 'guided_pm' in args.methods:
+            names.append('random_pm')
+        if 'guided_pm' in args.methods:
+            names += ['search', 'guided_pm']
+        for name in names:
+            _check_phase(args, os.path.join(root, name), _phase_settings(args, seed))
 
 
 def _done(folder: str) -> bool:
@@ -60,10 +110,11 @@ def _mark(folder: str, info: Dict[str, Any]) -> None:
     atomic_write_text(os.path.join(folder, 'done.json'), json.dumps(info, indent=1))
 
 
-def _train(args, seed: int, name: str, flags: List[str]) -> Dict[str, Any]:
+def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] = None) -> Dict[str, Any]:
     from .train import main as train_main
     root = os.path.join(args.output, f'seed{seed}')
     folder = os.path.join(root, name)
+    _begin_phase(args, folder, _phase_settings(args, seed, inputs))
     if _done(folder):
         return json.load(open(os.path.join(folder, 'done.json')))
     common = ['--dataset', args.dataset, '--seed', str(seed), '--output', root, '--experiment', name,
@@ -86,6 +137,7 @@ def _search(args, seed: int, checkpoint: str) -> str:
     from .search.loop import main as search_main
     folder = os.path.join(args.output, f'seed{seed}', 'search')
     table = os.path.join(folder, 'masks.json')
+    _begin_phase(args, folder, _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
     if _done(folder):
         return table
     flags = ['--checkpoint', checkpoint, '--output', folder, '--seed', str(seed), '--no-progress']
@@ -164,8 +216,20 @@ def report(args, results: List[Dict[str, Any]]) -> str:
     return text
 
 
+def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
+    """Parse ``--train-args`` with train.py's own parser before any phase runs, so that an out-of-range value stops
+    the pipeline at once (exit status 2, the flag and value named) rather than after the phases before it."""
+    from .train import build_parser as train_parser
+    tp = train_parser()
+    tp.prog = f'{parser.prog} --train-args'
+    tp.parse_args(list(args.train_args))
+
+
 def main(argv=None) -> str:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_train_args(parser, args)
+    _check_all_phases(args)
     os.makedirs(args.output, exist_ok=True)
     head = f'patchhead_{args.model}'
     results = []
@@ -184,10 +248,14 @@ def main(argv=None) -> str:
         if 'guided_pm' in args.methods:
             table = _search(args, seed, os.path.join(ft['output'], 'best.safetensors'))
             search_dir = os.path.dirname(table)
+            guided = {'table': file_record(table)}  # checked before the samples are drawn from the table
+            _check_phase(args, os.path.join(args.output, f'seed{seed}', 'guided_pm'),
+                         _phase_settings(args, seed, guided))
             samples = os.path.join(search_dir, 'guided_samples.png')
             if not os.path.isfile(samples):
                 render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)
-            results.append(_train(args, seed, 'guided_pm', ['--model', head, '--patchmix', '--patchmix-table', table]))
+            results.append(_train(args, seed, 'guided_pm', ['--model', head, '--patchmix', '--patchmix-table', table],
+                                  guided))
             if seed == args.seeds[0]:
                 for f in ('fitness.png', 'pairs.png', 'masks.json', 'guided_samples.png'):
                     src = os.path.join(search_dir, f)
@@ -199,5 +267,18 @@ def main(argv=None) -> str:
     return text
 
 
+def cli(argv=None) -> int:
+    from .train import NonFiniteLossError
+    try:
+        main(argv)
+    except SettingsChangedError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return USAGE_ERROR
+    except NonFiniteLossError as e:  # a training phase diverged; rerunning resumes from its last finished epoch
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == '__main__':
-    main()
+    raise SystemExit(cli())

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cli_types import directory, existing_file, nonneg_float, optional_directory, positive_int
+
 __all__ = ['fgsm_accuracy', 'main']
 
 
@@ -74,15 +76,16 @@ def main(argv=None) -> int:
     from .hub import model_from_weights
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', required=True, help='weights written by train.py (last/best.safetensors)')
-    parser.add_argument('--eps', type=float, nargs='+', default=[0.1, 0.2, 0.3])
+    parser.add_argument('--checkpoint', required=True, type=existing_file,
+                        help='weights written by train.py (last/best.safetensors)')
+    parser.add_argument('--eps', type=nonneg_float, nargs='+', default=[0.1, 0.2, 0.3])
     parser.add_argument('--dataset', default=None, help='default: the dataset the checkpoint was trained on')
-    parser.add_argument('--data-dir', default=None)
+    parser.add_argument('--data-dir', default=None, type=optional_directory)
     parser.add_argument('--val-split', default=None)
-    parser.add_argument('--val-subset', type=int, default=None)
-    parser.add_argument('-b', '--batch-size', type=int, default=128)
+    parser.add_argument('--val-subset', type=positive_int, default=None)
+    parser.add_argument('-b', '--batch-size', type=positive_int, default=128)
     parser.add_argument('--device', default='cpu')
-    parser.add_argument('--output', default=None, help='write fgsm.json here')
+    parser.add_argument('--output', default=None, type=directory, help='write fgsm.json here')
     args = parser.parse_args(argv)
 
     model, meta = model_from_weights(args.checkpoint)

@@ -27,6 +27,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
+from .cli_types import (fraction, nonneg_float, nonneg_int, optional_directory, optional_file, positive_float,
+                        positive_int, probability)
+
 _logger = logging.getLogger('train')
 
 # Defaults of timm's train.py for the flags a recipe may change; a recipe fills only flags the user left unset.
@@ -42,6 +45,7 @@ RECIPES: Dict[str, Dict[str, Any]] = {
     'paper-cifar': dict(model='preactresnet18_cifar', epochs=400, batch_size=100, opt='sgd', lr=0.1, momentum=0.9,
                         weight_decay=5e-4, sched='cosine', warmup_epochs=0, smoothing=0.0),
 }
+SCHEDULERS = ('cosine', 'tanh', 'step', 'multistep', 'plateau', 'poly', 'constant', 'rsqrt')  # timm's factory's
 KILL_ENV = 'TIMM_PATCHMIX_KILL_AT_STEP'  # tests: SIGKILL this process after that many optimizer steps
 
 
@@ -65,101 +69,117 @@ class ParseKwargs(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description='timm-style training with PatchMix', add_help=True)
     g = p.add_argument_group('Dataset')
-    g.add_argument('data', nargs='?', metavar='DIR', help='path to dataset (positional, as in timm)')
-    g.add_argument('--data-dir', default=None, help='path to dataset root')
+    g.add_argument('data', nargs='?', metavar='DIR', type=optional_directory,
+                   help='path to dataset (positional, as in timm)')
+    g.add_argument('--data-dir', default=None, type=optional_directory, help='path to dataset root')
     g.add_argument('--dataset', default='', help="'' (embedded patchshapes, or an image folder with --data-dir), "
                    "'patchshapes', 'fashion_mnist' (IDX files on disk), or a timm name such as torch/cifar10")
     g.add_argument('--train-split', default='train')
     g.add_argument('--val-split', default='validation')
     g.add_argument('--dataset-download', action='store_true', default=False)
-    g.add_argument('--train-subset', type=int, default=None, help='train on a fixed random subset of N images')
-    g.add_argument('--val-subset', type=int, default=None, help='validate on a fixed random subset of N images')
+    g.add_argument('--train-subset', type=positive_int, default=None, help='train on a fixed random subset of N images')
+    g.add_argument('--val-subset', type=positive_int, default=None,
+                   help='validate on a fixed random subset of N images')
     g = p.add_argument_group('Model')
     g.add_argument('--model', default=None, help='timm model name; patchhead_<arch> adds the patch head')
     g.add_argument('--pretrained', action='store_true', default=False)
-    g.add_argument('--initial-checkpoint', default='', help='start from these weights (safetensors)')
-    g.add_argument('--resume', default='', help='resume from a training state (state.safetensors)')
-    g.add_argument('--num-classes', type=int, default=None)
-    g.add_argument('--in-chans', type=int, default=None)
-    g.add_argument('--img-size', type=int, default=None)
-    g.add_argument('--input-size', type=int, nargs=3, default=None, metavar='N')
+    g.add_argument('--initial-checkpoint', default='', type=optional_file,
+                   help='start from these weights (safetensors)')
+    g.add_argument('--resume', default='', type=optional_file, help='resume from a training state (state.safetensors)')
+    g.add_argument('--num-classes', type=positive_int, default=None)
+    g.add_argument('--in-chans', type=positive_int, default=None)
+    g.add_argument('--img-size', type=positive_int, default=None)
+    g.add_argument('--input-size', type=positive_int, nargs=3, default=None, metavar='N')
     g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
-    g.add_argument('--drop', type=float, default=0.0)
-    g.add_argument('--drop-path', type=float, default=None)
+    g.add_argument('--drop', type=probability, default=0.0)
+    g.add_argument('--drop-path', type=probability, default=None)
     g.add_argument('--grad-checkpointing', action='store_true', default=False)
     g.add_argument('--torchcompile', nargs='?', const='inductor', default=None)
     g = p.add_argument_group('Optimizer and schedule')
-    g.add_argument('-b', '--batch-size', type=int, default=None)
-    g.add_argument('-vb', '--validation-batch-size', type=int, default=None)
+    g.add_argument('-b', '--batch-size', type=positive_int, default=None)
+    g.add_argument('-vb', '--validation-batch-size', type=positive_int, default=None)
     g.add_argument('--opt', default=None)
-    g.add_argument('--opt-eps', type=float, default=None)
-    g.add_argument('--opt-betas', type=float, nargs='+', default=None)
-    g.add_argument('--momentum', type=float, default=None)
-    g.add_argument('--weight-decay', type=float, default=None)
-    g.add_argument('--clip-grad', type=float, default=None)
-    g.add_argument('--clip-mode', default='norm')
-    g.add_argument('--sched', default=None)
+    g.add_argument('--opt-eps', type=nonneg_float, default=None)
+    g.add_argument('--opt-betas', type=fraction, nargs='+', default=None)
+    g.add_argument('--momentum', type=nonneg_float, default=None)
+    g.add_argument('--weight-decay', type=nonneg_float, default=None)
+    g.add_argument('--clip-grad', type=nonneg_float, default=None, help='0: no clipping')
+    g.add_argument('--clip-mode', default='norm', choices=('norm', 'value'))
+    g.add_argument('--sched', default=None, choices=SCHEDULERS)
     g.add_argument('--sched-on-updates', action='store_true', default=False)
-    g.add_argument('--lr', type=float, default=None)
-    g.add_argument('--lr-base', type=float, default=0.1)
-    g.add_argument('--lr-base-size', type=int, default=256)
-    g.add_argument('--lr-base-scale', default='')
-    g.add_argument('--min-lr', type=float, default=None)
-    g.add_argument('--warmup-lr', type=float, default=None)
-    g.add_argument('--epochs', type=int, default=None)
-    g.add_argument('--warmup-epochs', type=int, default=None)
-    g.add_argument('--cooldown-epochs', type=int, default=0)
-    g.add_argument('--decay-epochs', type=float, default=90)
-    g.add_argument('--decay-rate', type=float, default=0.1)
+    g.add_argument('--lr', type=positive_float, default=None)
+    g.add_argument('--lr-base', type=positive_float, default=0.1)
+    g.add_argument('--lr-base-size', type=positive_int, default=256)
+    g.add_argument('--lr-base-scale', default='', choices=('', 'linear', 'sqrt'))
+    g.add_argument('--min-lr', type=nonneg_float, default=None)
+    g.add_argument('--warmup-lr', type=nonneg_float, default=None)
+    g.add_argument('--epochs', type=positive_int, default=None)
+    g.add_argument('--warmup-epochs', type=nonneg_int, default=None)
+    g.add_argument('--cooldown-epochs', type=nonneg_int, default=0)
+    g.add_argument('--decay-epochs', type=positive_float, default=90)
+    g.add_argument('--decay-rate', type=positive_float, default=0.1)
     g.add_argument('--recipe', choices=sorted(RECIPES), default=None,
                    help="defaults for unset flags: 'demo' (the default with the embedded data), 'timm' (timm's "
                         "train.py defaults, the default otherwise) or 'paper-cifar'")
     g = p.add_argument_group('Mixing and loss')
-    g.add_argument('--mixup', type=float, default=0.0)
-    g.add_argument('--cutmix', type=float, default=0.0)
-    g.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
-    g.add_argument('--mixup-prob', type=float, default=1.0)
-    g.add_argument('--mixup-switch-prob', type=float, default=0.5)
-    g.add_argument('--mixup-mode', default='batch')
-    g.add_argument('--mixup-off-epoch', type=int, default=0)
-    g.add_argument('--smoothing', type=float, default=None)
+    g.add_argument('--mixup', type=nonneg_float, default=0.0)
+    g.add_argument('--cutmix', type=nonneg_float, default=0.0)
+    g.add_argument('--cutmix-minmax', type=probability, nargs=2, default=None, metavar=('MIN', 'MAX'))
+    g.add_argument('--mixup-prob', type=probability, default=1.0)
+    g.add_argument('--mixup-switch-prob', type=probability, default=0.5)
+    g.add_argument('--mixup-mode', default='batch', choices=('batch', 'pair', 'elem', 'half'))
+    g.add_argument('--mixup-off-epoch', type=nonneg_int, default=0, help='0: never')
+    g.add_argument('--smoothing', type=fraction, default=None)
     g.add_argument('--patchmix', action='store_true', default=False, help='train with PatchMix and PatchMixLoss')
-    g.add_argument('--patchmix-grid', type=int, nargs='+', default=None,
+    g.add_argument('--patchmix-grid', type=positive_int, nargs='+', default=None,
                    help="P, or rows cols (default 4; a hf-hub:/local-dir: model's own grid)")
-    g.add_argument('--patchmix-alpha', type=float, default=1.0)
-    g.add_argument('--patchmix-prob', type=float, default=1.0)
+    g.add_argument('--patchmix-alpha', type=positive_float, default=1.0)
+    g.add_argument('--patchmix-prob', type=probability, default=1.0)
     g.add_argument('--patchmix-mode', default='elem', choices=('elem', 'pair', 'batch'))
     g.add_argument('--patchmix-collate', action='store_true', default=False, help='mix at collate time')
-    g.add_argument('--patchmix-off-epoch', type=int, default=0)
+    g.add_argument('--patchmix-off-epoch', type=nonneg_int, default=0, help='0: never')
     g.add_argument('--no-patch-loss', action='store_true', default=False)
     g.add_argument('--no-image-loss', action='store_true', default=False)
-    g.add_argument('--patch-loss-weight', type=float, default=1.0)
+    g.add_argument('--patch-loss-weight', type=nonneg_float, default=1.0)
     g.add_argument('--per-position-head', action='store_true', default=False)
-    g.add_argument('--patchmix-table', default='', help='mask table from search.py: train on guided samples')
-    g.add_argument('--guided-prob', type=float, default=1 / 3, help='fraction of each batch that is guided')
-    g.add_argument('--random-prob', type=float, default=1 / 3,
+    g.add_argument('--patchmix-table', default='', type=optional_file,
+                   help='mask table from search.py: train on guided samples')
+    g.add_argument('--guided-prob', type=probability, default=1 / 3, help='fraction of each batch that is guided')
+    g.add_argument('--random-prob', type=probability, default=1 / 3,
                    help='fraction of each batch mixed by random PatchMix when a table is given (the rest is clean)')
     g = p.add_argument_group('Running')
     g.add_argument('--amp', action='store_true', default=False)
     g.add_argument('--amp-dtype', default='float16', choices=('float16', 'bfloat16'))
     g.add_argument('--channels-last', action='store_true', default=False)
-    g.add_argument('-j', '--workers', type=int, default=None)
+    g.add_argument('-j', '--workers', type=nonneg_int, default=None, help='0: load in the main process')
     g.add_argument('--pin-mem', action='store_true', default=False)
     g.add_argument('--no-prefetcher', action='store_true', default=False)
     g.add_argument('--device', default=None, help='default: cuda when available, else cpu')
     g.add_argument('--seed', type=int, default=42)
-    g.add_argument('--output', default='')
+    g.add_argument('--output', default='', type=optional_directory)
     g.add_argument('--experiment', default='')
-    g.add_argument('--log-interval', type=int, default=50)
+    g.add_argument('--log-interval', type=positive_int, default=50)
     g.add_argument('--eval-metric', default='top1', choices=('top1', 'top5', 'loss'))
-    g.add_argument('--fgsm', type=float, nargs='+', default=None, metavar='EPS',
+    g.add_argument('--fgsm', type=nonneg_float, nargs='+', default=None, metavar='EPS',
                    help='after training, FGSM top-1 on the validation set for each eps (pixels in [0, 1])')
     g.add_argument('--no-progress', action='store_true', default=False)
     return p
 
 
 def resolve_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # ranges of single values are checked by the argument types; these concern several flags together
+    if args.patchmix_grid is not None and len(args.patchmix_grid) not in (1, 2):
+        parser.error(f'argument --patchmix-grid: takes P or rows cols, got {len(args.patchmix_grid)} values '
+                     f'{" ".join(map(str, args.patchmix_grid))}')
+    if args.cutmix_minmax is not None and args.cutmix_minmax[0] > args.cutmix_minmax[1]:
+        parser.error(f'argument --cutmix-minmax: MIN {args.cutmix_minmax[0]:g} is above MAX {args.cutmix_minmax[1]:g}')
+    if args.no_patch_loss and args.no_image_loss:
+        parser.error('--no-patch-loss and --no-image-loss together switch off the whole loss; keep one of the terms')
+    if args.patchmix_table and args.guided_prob + args.random_prob > 1:
+        parser.error(f'--guided-prob {args.guided_prob:g} and --random-prob {args.random_prob:g} are fractions of '
+                     f'one batch and add up to {args.guided_prob + args.random_prob:g}; their sum must be at most 1')
     args.data_dir = args.data_dir or args.data or ''
     explicit_model = args.model is not None
     if args.recipe is None:
@@ -167,12 +187,15 @@ def resolve_args(argv=None) -> argparse.Namespace:
     for k, v in dict(TIMM_DEFAULTS, **RECIPES[args.recipe]).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    from timm.optim import get_optimizer_info
+    try:  # timm's factory reads 'lookahead_<name>' as <name> with Lookahead
+        get_optimizer_info(args.opt.lower().split('_')[-1])
+    except ValueError:
+        parser.error(f'argument --opt: unknown optimizer {args.opt!r}; timm.optim.list_optimizers() names them')
     if args.patchmix and not explicit_model and not args.model.startswith('patchhead_') and not args.no_patch_loss:
         args.model = 'patchhead_' + args.model  # a recipe's backbone, with the head --patchmix needs
     args.grid_explicit = args.patchmix_grid is not None
     args.patchmix_grid = args.patchmix_grid or [4]
-    if len(args.patchmix_grid) not in (1, 2):
-        raise SystemExit('--patchmix-grid takes P or rows cols')
     args.grid = tuple(args.patchmix_grid * 2 if len(args.patchmix_grid) == 1 else args.patchmix_grid)
     return args
 
@@ -251,7 +274,11 @@ def build_model(args, num_classes: int):
         kwargs['drop_path_rate'] = args.drop_path
     if args.drop:
         kwargs['drop_rate'] = args.drop
-    model = timm.create_model(args.model, pretrained=args.pretrained, num_classes=num_classes, **kwargs)
+    try:
+        model = timm.create_model(args.model, pretrained=args.pretrained, num_classes=num_classes, **kwargs)
+    except TypeError as e:
+        model_kwargs_error(args, e)
+        raise
     if from_source:  # the config's model_args, as the factory applied them
         kwargs = {k: v for k, v in (getattr(model, '_model_args', None) or {}).items()
                   if k not in ('num_classes', 'pretrained_model_args')}
@@ -264,6 +291,31 @@ def build_model(args, num_classes: int):
         model.set_grad_checkpointing(True)
     is_patchhead = isinstance(model, PatchHeadModel)
     return model, is_patchhead
+
+
+KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans': '--in-chans',
+               'grid': '--patchmix-grid', 'per_position': '--per-position-head', 'num_classes': '--num-classes',
+               'pretrained': '--pretrained'}
+
+
+def model_kwargs_error(args, error: TypeError) -> None:
+    """Exit with status 2 and a usage message when ``error`` (from ``timm.create_model``) is a keyword argument the
+    model does not take, or one given twice; return otherwise (the caller re-raises)."""
+    import re
+    m = re.search(r"(unexpected|multiple values for) keyword argument '(\w+)'", str(error))
+    if not m:
+        return
+    key = m.group(2)
+    if m.group(1) == 'multiple values for':
+        message = (f'argument --model-kwargs: {key} is set by {KWARG_FLAGS.get(key, "train.py itself")}; leave it '
+                   f'out of --model-kwargs')
+    elif key in args.model_kwargs:
+        message = (f'argument --model-kwargs: model {args.model} does not take the keyword argument '
+                   f'{key}={args.model_kwargs[key]!r} ({error})')
+    else:
+        flag = KWARG_FLAGS.get(key, '--model')
+        message = f'argument {flag}: model {args.model} does not take {key!r}, which {flag} sets ({error})'
+    build_parser().error(message)
 
 
 def load_initial_checkpoint(model: nn.Module, path: str) -> None:
@@ -414,6 +466,21 @@ def resolve_lr(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite: the run stops at that step, before the epoch's weights are saved, so
+    ``best.safetensors``, ``last.safetensors`` and ``state.safetensors`` keep the last finished epoch's."""
+
+    def __init__(self, epoch: int, step: int, steps: int, loss: float, bad_ranks: int = 1, world_size: int = 1):
+        self.epoch, self.step, self.steps, self.loss = epoch, step, steps, loss
+        where = f' on {bad_ranks} of {world_size} processes' if world_size > 1 else ''
+        value = f' ({loss})' if not math.isfinite(loss) else ''
+        super().__init__(
+            f'non-finite training loss{value}{where} at epoch {epoch}, step {step} of {steps}: training stopped. '
+            f'Checkpoints of earlier epochs (best.safetensors, last.safetensors, state.safetensors) are left as they '
+            f'were; this epoch saved nothing. A lower --lr, --clip-grad or a warm-up (--warmup-epochs) may keep the '
+            f'loss finite.')
+
+
 def train_one_epoch(epoch, model, loader, optimizer, criterion, scheduler, args, device, mixer, amp_ctx, scaler,
                     state) -> Dict[str, float]:
     from tqdm import tqdm
@@ -451,7 +518,13 @@ def train_one_epoch(epoch, model, loader, optimizer, criterion, scheduler, args,
         if args.sched_on_updates:
             scheduler.step_update(num_updates=state['updates'])
         b = x.shape[0]
-        loss_sum += float(loss.detach()) * b
+        loss_value = float(loss.detach())  # the step's one host sync, as before
+        bad_ranks = 0 if math.isfinite(loss_value) else 1
+        if dist.is_initialized():  # every rank stops at the same step, whichever rank's loss it was
+            bad_ranks = int(_reduce([bad_ranks], device)[0])
+        if bad_ranks:  # stop before this epoch's weights reach any file
+            raise NonFiniteLossError(epoch, i + 1, updates_per_epoch, loss_value, bad_ranks, args.world_size)
+        loss_sum += loss_value * b
         n_seen += b
         elapsed = time.perf_counter() - t0
         if args.rank == 0:
@@ -504,6 +577,27 @@ def _csv_text(rows: List[Dict[str, Any]]) -> str:
         w.writeheader()
         w.writerows(rows)
     return buf.getvalue()
+
+
+# what a resumed run must share with the run that wrote its state: the data, the grid, and how batches are mixed and
+# scored (the schedule, --epochs, --lr..., may change on a resume; --model and the class count are checked apart)
+RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
+                   'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
+                   'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
+                   'no_prefetcher', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
+                   'per_position_head')
+
+
+def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
+    """The :data:`RESUME_SETTINGS` of ``run_args`` (a run's args as a dict) under their flag names; with ``table``,
+    ``--patchmix-table`` as the table's content (a path alone cannot tell an edited table from the same one)."""
+    out = {('--patchmix-grid' if k == 'grid' else '--' + k.replace('_', '-')): run_args[k]
+           for k in RESUME_SETTINGS if k in run_args}
+    if table:
+        from .settings import file_record
+        path = run_args.get('patchmix_table')
+        out['--patchmix-table'] = file_record(path) if path else None
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -588,8 +682,10 @@ def main(argv=None) -> Dict[str, Any]:
 
     start_epoch, rows, best = 0, [], None
     state = {'updates': 0}
+    run_settings = resume_settings(vars(args))
     if args.resume:
         from .checkpoint import CheckpointError
+        from .settings import check_settings
         try:
             st = load_state(args.resume)
         except CheckpointError as e:
@@ -600,6 +696,11 @@ def main(argv=None) -> Dict[str, Any]:
             if saved.get(key) is not None and saved.get(key) != have:
                 raise SystemExit(f'error: {args.resume} was trained with {key}={saved.get(key)!r}, this run has '
                                  f'{have!r}')
+        # a state from before settings were recorded: its args, without the table's content
+        check_settings(st['meta'].get('settings') or resume_settings(saved, table=False), run_settings,
+                       f'cannot resume from {args.resume}: it was trained',
+                       'Resume with the settings it was trained with, or train the new settings afresh (without '
+                       '--resume) under another --output/--experiment.')
         model.load_state_dict(st['model'])
         if st['optimizer'] is not None:
             optimizer.load_state_dict(st['optimizer'])
@@ -677,7 +778,7 @@ def main(argv=None) -> Dict[str, Any]:
             save_weights(os.path.join(out_dir, 'last.safetensors'), sd, meta)
             save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer,
                        {'epoch': epoch, 'rows': rows, 'best': best, 'updates': state['updates'],
-                        'args': record_args, 'seed': args.seed})
+                        'args': record_args, 'seed': args.seed, 'settings': run_settings})
             atomic_write_text(os.path.join(out_dir, 'summary.csv'), _csv_text(rows))
             print(f"epoch {epoch}: train_loss {row['train_loss']:.4f} eval_loss {row['eval_loss']:.4f} top1 "
                   f"{row['eval_top1']:.2f} top5 {row['eval_top5']:.2f} lr {lr:.4g} {row['img_s']:.0f} img/s",
@@ -703,7 +804,15 @@ def run_fgsm(args, model, val_ds, data_config, device, out_dir) -> Dict[str, flo
 
 
 def cli(argv=None) -> int:
-    main(argv)
+    from .settings import USAGE_ERROR, SettingsChangedError
+    try:
+        main(argv)
+    except SettingsChangedError as e:  # a resume with other settings than its state's
+        print(f'error: {e}', file=sys.stderr)
+        return USAGE_ERROR
+    except NonFiniteLossError as e:  # the run diverged: a failed run, not a usage error
+        print(f'error: {e}', file=sys.stderr)
+        return 1
     return 0
 
 

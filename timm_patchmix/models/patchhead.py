@@ -270,6 +270,19 @@ def _patchhead_cfg(name: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any
     return cfg
 
 
+def _check_config_fields(cfg: Dict[str, Any], model_args: Optional[Dict[str, Any]]) -> None:
+    """A ``config.json``'s fields as timm hands them over (num_classes, label_names, input_size in the cfg; the
+    model_args apart), checked for type and range; its model_args pass the allow-list of architectural arguments."""
+    from ..checkpoint import CheckpointError
+    from ..validation import Fields, check_hub_config
+    where = cfg.get('file') or cfg.get('hf_hub_id') or 'the pretrained cfg'
+    doc = {'architecture': cfg.get('architecture') or 'patchhead', 'num_classes': cfg.get('num_classes'),
+           'label_names': cfg.get('label_names'), 'model_args': model_args or {},
+           'pretrained_cfg': {'input_size': list(cfg['input_size']) if isinstance(cfg.get('input_size'), tuple)
+                              else cfg.get('input_size')}}
+    check_hub_config(doc, Fields(f'{where}: config.json', CheckpointError))
+
+
 def _entrypoint(arch: str):
     name = PREFIX + arch
 
@@ -279,7 +292,9 @@ def _entrypoint(arch: str):
         if own is None:
             return create_patchhead(arch, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
                                     pretrained_cfg_overlay=pretrained_cfg_overlay, cache_dir=cache_dir, **kwargs)
-        kwargs.pop('pretrained_model_args', None)
+        file_args = kwargs.pop('pretrained_model_args', None)
+        if own.get('source') in ('hf-hub', 'local-dir'):
+            _check_config_fields(own, file_args)
         model = create_patchhead(arch, pretrained=False, **kwargs)
         model.pretrained_cfg = dict(model.pretrained_cfg, **{k: v for k, v in own.items() if v is not None})
         model.pretrained_cfg['classifier'] = tuple(model.pretrained_cfg['classifier'])

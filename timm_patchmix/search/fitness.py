@@ -76,7 +76,32 @@ class GeneScorer:
         self._bit_weights = 1 << torch.arange(grid[0] * grid[1], dtype=torch.long)
 
     def key(self, pair: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return np.asarray(pair, dtype=np.int64) * self.bits + np.asarray(mask, dtype=np.int64)
+        """Cache keys ``pair * 2**cells + mask``, exact for every grid: int64 while the largest key fits in 63
+        bits, else Python ints in an object array (a 7x8 grid leaves 7 bits for the pair index). Both forms give
+        the same Python ints in the cache."""
+        pair = np.asarray(pair, dtype=np.int64)
+        mask = np.asarray(mask, dtype=np.int64)
+        cells = self.bits.bit_length() - 1
+        if not len(pair) or int(pair.max()) < (1 << (63 - cells)):
+            return pair * self.bits + mask
+        return np.array([(p << cells) | m for p, m in zip(pair.tolist(), mask.tolist())], dtype=object)
+
+    def cache_arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cache as columns for a state file: ``(pair indices, masks, scores)``, int64, int64, float64."""
+        cells = self.bits.bit_length() - 1
+        n = len(self.cache)
+        scores = np.fromiter(self.cache.values(), dtype=np.float64, count=n)
+        try:
+            keys = np.fromiter(self.cache.keys(), dtype=np.int64, count=n)
+            return keys >> cells, keys & (self.bits - 1), scores
+        except OverflowError:
+            keys = list(self.cache.keys())
+            return (np.array([k >> cells for k in keys], dtype=np.int64),
+                    np.array([k & (self.bits - 1) for k in keys], dtype=np.int64), scores)
+
+    def set_cache(self, pairs: np.ndarray, masks: np.ndarray, scores: np.ndarray) -> None:
+        """Replace the cache by the columns of :meth:`cache_arrays`."""
+        self.cache = dict(zip(self.key(pairs, masks).tolist(), np.asarray(scores, dtype=np.float64).tolist()))
 
     @torch.inference_mode()
     def score_genes(self, pair: np.ndarray, mask: np.ndarray) -> np.ndarray:

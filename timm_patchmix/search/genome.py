@@ -15,7 +15,8 @@ from typing import Optional, Tuple
 import numpy as np
 from deap import base, creator
 
-__all__ = ['PairSpace', 'Individual', 'MaskOps', 'fitness_class', 'bits_to_grid', 'grid_to_bits']
+__all__ = ['PairSpace', 'Individual', 'MaskOps', 'fitness_class', 'bits_to_grid', 'grid_to_bits',
+           'same_phenotype']
 
 
 def fitness_class(direction: str):
@@ -69,7 +70,7 @@ class Individual:
         idx = np.concatenate([self.active, forced]) if len(forced) else self.active
         return idx, self.masks[idx]
 
-    def __eq__(self, other) -> bool:  # hall-of-fame similarity: same phenotype
+    def __eq__(self, other) -> bool:  # same active pairs and masks (the search's hall of fame: same_phenotype)
         return (isinstance(other, Individual) and np.array_equal(self.active, other.active)
                 and np.array_equal(self.masks[self.active], other.masks[other.active]))
 
@@ -77,14 +78,25 @@ class Individual:
         return len(self.active)
 
 
+def same_phenotype(forced: np.ndarray):
+    """The hall of fame's similarity for a pair space with ``forced`` (always active) pairs: two individuals are
+    the same when every gene that counts is, the active pairs with their masks and the forced pairs' masks."""
+    forced = np.asarray(forced, dtype=np.int64)
+
+    def similar(a: Individual, b: Individual) -> bool:
+        return a == b and np.array_equal(a.masks[forced], b.masks[forced])
+    return similar
+
+
 class MaskOps:
     """Bit-level operations on integer masks for one grid, vectorised over arrays."""
+    MAX_CELLS = 62  # masks are int64, and the bit operations keep clear of the sign bit
 
     def __init__(self, rows: int, cols: int):
         self.rows, self.cols = rows, cols
         self.cells = rows * cols
-        if self.cells > 62:
-            raise ValueError(f'a {rows}x{cols} grid has {self.cells} cells; masks are held in 62 bits')
+        if self.cells > self.MAX_CELLS:
+            raise ValueError(f'a {rows}x{cols} grid has {self.cells} cells; masks are held in {self.MAX_CELLS} bits')
         self.full = (1 << self.cells) - 1
         left_cols = cols // 2
         self.left = sum(1 << (r * cols + c) for r in range(rows) for c in range(left_cols))

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 from typing import Any, Dict, List
 
@@ -20,9 +21,13 @@ import torch.distributed as dist
 from deap import algorithms, base, tools
 
 from ..checkpoint import CheckpointError, atomic_write_bytes, atomic_write_text, load_bundle, save_bundle
+from ..cli_types import (directory, existing_file, int_range, nonneg_int, optional_directory, positive_int,
+                         probability)
 from ..guided import MaskTable, dataset_fingerprint
+from ..settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record
 from .fitness import GeneScorer, aggregate, draw_image_pairs
-from .genome import Individual, MaskOps, Operators, PairSpace, bits_to_grid, fitness_class
+from .genome import Individual, MaskOps, Operators, PairSpace, bits_to_grid, fitness_class, same_phenotype
+from .state import check_search_meta, check_search_tensors
 
 _logger = logging.getLogger(__name__)
 KILL_ENV = 'TIMM_PATCHMIX_KILL_AT_GEN'  # tests: SIGKILL the search right after checkpointing that generation
@@ -30,30 +35,34 @@ KILL_ENV = 'TIMM_PATCHMIX_KILL_AT_GEN'  # tests: SIGKILL the search right after 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description='Evolutionary search over class pairs and PatchMix masks (DEAP)')
-    p.add_argument('--checkpoint', required=True, help='weights of a Random-PatchMix patchhead_ model (train.py)')
-    p.add_argument('--output', default='output/search', help='folder for the table, logbook, plots, state')
+    p.add_argument('--checkpoint', required=True, type=existing_file,
+                   help='weights of a Random-PatchMix patchhead_ model (train.py)')
+    p.add_argument('--output', default='output/search', type=directory,
+                   help='folder for the table, logbook, plots, state')
     p.add_argument('--dataset', default=None, help="default: the checkpoint's dataset")
-    p.add_argument('--data-dir', default=None)
+    p.add_argument('--data-dir', default=None, type=optional_directory)
     p.add_argument('--val-split', default=None, help="default: the checkpoint's validation split")
-    p.add_argument('--val-subset', type=int, default=None)
-    p.add_argument('--grid', type=int, nargs='+', default=None, help="must match the model's grid (read from it)")
-    p.add_argument('--num-classes', type=int, default=None, help="must match the dataset's")
-    p.add_argument('--population', type=int, default=500)
-    p.add_argument('--generations', type=int, default=250)
-    p.add_argument('--n-active', type=int, default=None, help='N, the most active pairs (default: num_classes)')
-    p.add_argument('--k', type=int, default=16, help='fixed validation image pairs per class pair')
-    p.add_argument('--cxpb', type=float, default=0.5)
-    p.add_argument('--mutpb', type=float, default=0.3)
-    p.add_argument('--tournsize', type=int, default=3)
-    p.add_argument('--hof', type=int, default=10, help='hall-of-fame size')
-    p.add_argument('--patience', type=int, default=50, help='stop after this many generations without a better '
+    p.add_argument('--val-subset', type=positive_int, default=None)
+    p.add_argument('--grid', type=positive_int, nargs='+', default=None,
+                   help="must match the model's grid (read from it)")
+    p.add_argument('--num-classes', type=positive_int, default=None, help="must match the dataset's")
+    p.add_argument('--population', type=int_range(2, name='population'), default=500)
+    p.add_argument('--generations', type=nonneg_int, default=250)
+    p.add_argument('--n-active', type=positive_int, default=None,
+                   help='N, the most active pairs (default: num_classes)')
+    p.add_argument('--k', type=positive_int, default=16, help='fixed validation image pairs per class pair')
+    p.add_argument('--cxpb', type=probability, default=0.5)
+    p.add_argument('--mutpb', type=probability, default=0.3)
+    p.add_argument('--tournsize', type=positive_int, default=3)
+    p.add_argument('--hof', type=positive_int, default=10, help='hall-of-fame size')
+    p.add_argument('--patience', type=nonneg_int, default=50, help='stop after this many generations without a better '
                    'best (0: never)')
     p.add_argument('--fitness', choices=('min', 'max'), default='min', help="'min': hardest samples (the paper)")
     p.add_argument('--score', choices=('accuracy', 'loss'), default='accuracy',
                    help='per-gene score: patch accuracy (the paper) or patch cross-entropy')
     p.add_argument('--same-class-pairs', action='store_true', default=False,
                    help='also search masks for (c, c) pairs, always active')
-    p.add_argument('--eval-batch-size', type=int, default=512)
+    p.add_argument('--eval-batch-size', type=positive_int, default=512)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--device', default=None)
     p.add_argument('--amp', action='store_true', default=False)
@@ -95,6 +104,10 @@ class Search:
             raise SystemExit(f'error: {args.checkpoint} holds {meta.get("model")!r}, which has no patch head; the '
                              f'search scores patches, so train f_T with --model patchhead_<arch> --patchmix')
         self.grid = tuple(model.grid)
+        if self.grid[0] * self.grid[1] > MaskOps.MAX_CELLS:
+            raise SystemExit(f'error: the model in {args.checkpoint} has a {self.grid[0]}x{self.grid[1]} grid, '
+                             f'{self.grid[0] * self.grid[1]} cells; the search handles grids of up to '
+                             f'{MaskOps.MAX_CELLS} cells')
         if args.grid is not None:
             want = tuple(args.grid * 2 if len(args.grid) == 1 else args.grid)
             if want != self.grid:
@@ -135,6 +148,14 @@ class Search:
                             args.eval_batch_size, amp=args.amp, channels_last=args.channels_last)
         self._init_ga(scorer)
         self.fingerprint = dataset_fingerprint(self.dataset, self.class_names)
+        # what the population and the cached gene scores mean: a resume must have the same (generations and
+        # patience only say when to stop, so a resume may change them)
+        self.settings = {
+            '--checkpoint': file_record(args.checkpoint), '--dataset': self.dataset, '--data-dir': data_dir,
+            '--val-split': split, '--val-subset': args.val_subset, '--grid': list(self.grid),
+            '--population': args.population, '--n-active': self.n_active, '--k': args.k, '--seed': args.seed,
+            '--fitness': args.fitness, '--score': args.score, '--same-class-pairs': args.same_class_pairs,
+            '--cxpb': args.cxpb, '--mutpb': args.mutpb, '--tournsize': args.tournsize, '--hof': args.hof}
 
     def _init_ga(self, scorer) -> None:
         """The search machinery over ``self.space`` and ``self.grid``, scoring genes with ``scorer``."""
@@ -148,7 +169,7 @@ class Search:
         self.toolbox.register('mate', self.ops.mate)
         self.toolbox.register('mutate', self.ops.mutate)
         self.toolbox.register('select', tools.selTournament, tournsize=args.tournsize)
-        self.hof = tools.HallOfFame(args.hof)
+        self.hof = tools.HallOfFame(args.hof, similar=same_phenotype(self.space.forced))  # forced masks count too
         self.logbook: List[Dict[str, Any]] = []
         self.gen = 0
         self.population: List[Individual] = []
@@ -201,17 +222,18 @@ class Search:
         return os.path.join(self.args.output, 'search_state.safetensors')
 
     def save_state(self) -> None:
-        keys = np.fromiter(self.scorer.cache.keys(), dtype=np.int64, count=len(self.scorer.cache))
-        vals = np.fromiter(self.scorer.cache.values(), dtype=np.float64, count=len(self.scorer.cache))
+        pairs, masks, vals = self.scorer.cache_arrays()  # two columns: exact for every grid
         tensors = dict(self._pack(self.population, 'pop'), **self._pack(list(self.hof), 'hof'))
-        tensors['cache.keys'] = torch.from_numpy(keys)
+        tensors['cache.pairs'] = torch.from_numpy(pairs)
+        tensors['cache.masks'] = torch.from_numpy(masks)
         tensors['cache.scores'] = torch.from_numpy(vals)
         tensors['rng.torch'] = torch.get_rng_state()
         py = random.getstate()
         meta = {'generation': self.gen, 'logbook': self.logbook, 'best_history': self.best_history,
                 'rng_numpy': self.rng.bit_generator.state, 'rng_python': [py[0], list(py[1]), py[2]],
                 'forward_images': self.scorer.forward_images, 'args': _jsonable(vars(self.args)),
-                'fingerprint': self.fingerprint, 'grid': list(self.grid), 'num_classes': self.num_classes}
+                'fingerprint': self.fingerprint, 'grid': list(self.grid), 'num_classes': self.num_classes,
+                'settings': self.settings}
         save_bundle(self.state_path, tensors, meta, kind='search_state')
 
     def load_state(self) -> None:
@@ -219,15 +241,28 @@ class Search:
             t, meta = load_bundle(self.state_path, 'search_state')
         except CheckpointError as e:
             raise SystemExit(f'error: cannot resume the search: {e}') from None
+        try:
+            check_search_meta(self.state_path, meta)
+        except CheckpointError as e:
+            raise SystemExit(f'error: cannot resume the search: {e}') from None
+        check_settings(meta.get('settings') or {}, self.settings,
+                       f'cannot resume the search in {self.args.output}: {self.state_path} was written',
+                       f'Resume with the settings it was started with, or run the new settings with another '
+                       f'--output (or delete {self.args.output} first).')
         if meta.get('fingerprint') != self.fingerprint or tuple(meta.get('grid', ())) != self.grid:
             raise SystemExit(f'error: {self.state_path} belongs to a search on another dataset or grid')
+        try:
+            cache = check_search_tensors(self.state_path, t, grid=self.grid, n_pairs=len(self.space),
+                                         num_cross=self.space.num_cross, n_active=self.n_active, hof_size=self.args.hof)
+        except CheckpointError as e:
+            raise SystemExit(f'error: cannot resume the search: {e}') from None
         try:
             self.population = self._unpack(t, 'pop')
             # set the hall of fame's lists as saved: re-inserting would reorder individuals of equal fitness
             self.hof.clear()
             self.hof.items = self._unpack(t, 'hof')
             self.hof.keys = [ind.fitness for ind in reversed(self.hof.items)]
-            self.scorer.cache = dict(zip(t['cache.keys'].tolist(), t['cache.scores'].tolist()))
+            self.scorer.set_cache(*cache)
             torch.set_rng_state(t['rng.torch'])
             self.rng.bit_generator.state = meta['rng_numpy']
             v, internal, g = meta['rng_python']
@@ -388,7 +423,11 @@ def plot_pairs(table: MaskTable, path: str, max_pairs: int = 40) -> None:
 
 
 def main(argv=None) -> MaskTable:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.grid is not None and len(args.grid) not in (1, 2):
+        parser.error(f'argument --grid: takes P or rows cols, got {len(args.grid)} values '
+                     f'{" ".join(map(str, args.grid))}')
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     if int(os.environ.get('WORLD_SIZE', '1')) > 1 and not dist.is_initialized():
         use_cuda = torch.cuda.is_available() and (args.device or 'cuda').startswith('cuda')
@@ -412,5 +451,9 @@ def main(argv=None) -> MaskTable:
 
 
 def cli(argv=None) -> int:
-    main(argv)
+    try:
+        main(argv)
+    except SettingsChangedError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return USAGE_ERROR
     return 0

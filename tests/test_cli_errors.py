@@ -1,0 +1,238 @@
+"""Bad input on every command line: out-of-range numbers, a folder for a file and a file for a folder, model
+keyword arguments a backbone does not take (all exit 2 with argparse's usage message, naming the flag and the value),
+and a training loss that stops being finite (a clear error; the checkpoints of earlier epochs stay as they were)."""
+import argparse
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix import demo, hub, pipeline, robustness, train
+from timm_patchmix.checkpoint import load_state, load_weights
+from timm_patchmix.cli_types import (directory, existing_file, float_range, int_range, new_file, positive_float,
+                                     probability)
+from timm_patchmix.search import loop as search
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """A file (it only needs to exist: parsing never reads it) and a folder."""
+    f = tmp_path / 'weights.safetensors'
+    f.write_bytes(b'not read while parsing')
+    d = tmp_path / 'folder'
+    d.mkdir()
+    return str(f), str(d)
+
+
+def _cli(name, f):
+    """The entry point of each command line, with the arguments it needs besides the one under test."""
+    return {
+        'train': (train.cli, []),
+        'search': (search.cli, ['--checkpoint', f]),
+        'pipeline': (pipeline.cli, []),
+        'robustness': (robustness.main, ['--checkpoint', f]),
+        'demo': (demo.main, []),
+    }[name]
+
+
+def expect_usage_error(capsys, fn, argv, *names, flag=None):
+    """``fn(argv)`` exits 2 with argparse's usage message; its error names ``flag`` (alone or with its other
+    spelling, ``argument -b/--batch-size: ...``) and contains each of ``names``."""
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert 'usage:' in err and 'error:' in err and 'Traceback' not in err
+    if flag is not None:
+        assert re.search(r'error: argument (\S+/)?' + re.escape(flag) + r'(/\S+)?: ', err), err
+    for n in names:
+        assert n in err, f'{n!r} not in {err!r}'
+    return err
+
+
+RANGE_CASES = [
+    # train.py
+    ('train', ['--epochs', '0']), ('train', ['--epochs', '-3']), ('train', ['--log-interval', '0']),
+    ('train', ['-b', '0']), ('train', ['--batch-size', '-8']), ('train', ['-vb', '0']),
+    ('train', ['--validation-batch-size', '0']), ('train', ['--lr', '0']), ('train', ['--lr', '-0.1']),
+    ('train', ['--lr', 'nan']), ('train', ['--lr', 'inf']), ('train', ['--lr-base', '0']),
+    ('train', ['--patchmix-grid', '0']), ('train', ['--patchmix-grid', '4', '0']),
+    ('train', ['--patchmix-prob', '1.5']), ('train', ['--patchmix-prob', '-0.1']), ('train', ['--smoothing', '1.2']),
+    ('train', ['--smoothing', '-0.1']), ('train', ['--smoothing', '1']), ('train', ['--guided-prob', '2']),
+    ('train', ['--random-prob', '-1']), ('train', ['--mixup-prob', '1.01']), ('train', ['--mixup-switch-prob', '3']),
+    ('train', ['--patch-loss-weight', '-1']), ('train', ['--train-subset', '0']), ('train', ['--val-subset', '0']),
+    ('train', ['--warmup-epochs', '-1']), ('train', ['--cooldown-epochs', '-2']), ('train', ['--fgsm', '0.1', '-0.1']),
+    ('train', ['--fgsm', 'nan']), ('train', ['-j', '-1']), ('train', ['--drop', '1.5']),
+    ('train', ['--drop-path', '-1']),
+    ('train', ['--momentum', '-0.9']), ('train', ['--weight-decay', '-1']), ('train', ['--input-size', '3', '32', '0']),
+    ('train', ['--img-size', '0']), ('train', ['--num-classes', '0']), ('train', ['--in-chans', '0']),
+    ('train', ['--mixup', '-1']), ('train', ['--cutmix', 'inf']), ('train', ['--patchmix-alpha', '0']),
+    ('train', ['--opt-betas', '0.9', '1.0']), ('train', ['--clip-grad', '-1']), ('train', ['--min-lr', '-0.00001']),
+    ('train', ['--mixup-off-epoch', '-1']), ('train', ['--patchmix-off-epoch', '-1']), ('train', ['--epochs', 'two']),
+    # search.py
+    ('search', ['--k', '0']), ('search', ['--population', '1']), ('search', ['--population', '0']),
+    ('search', ['--tournsize', '0']), ('search', ['--hof', '0']), ('search', ['--n-active', '0']),
+    ('search', ['--cxpb', '1.5']), ('search', ['--mutpb', '-0.1']), ('search', ['--cxpb', 'nan']),
+    ('search', ['--generations', '-1']), ('search', ['--patience', '-1']), ('search', ['--eval-batch-size', '0']),
+    ('search', ['--val-subset', '0']), ('search', ['--grid', '0']), ('search', ['--num-classes', '0']),
+    # robustness, pipeline (its --train-args go through train.py's parser first), demo
+    ('robustness', ['--eps', '-0.1']), ('robustness', ['--eps', '0.1', 'inf']), ('robustness', ['-b', '0']),
+    ('robustness', ['--val-subset', '0']),
+    ('pipeline', ['--train-args', '--epochs', '0']), ('pipeline', ['--train-args', '-b', '16', '--lr', 'nan']),
+    ('demo', ['--num', '0']), ('demo', ['--grid', '0']),
+]
+
+
+@pytest.mark.parametrize('cli, argv', RANGE_CASES, ids=[f'{c}:{" ".join(a)}' for c, a in RANGE_CASES])
+def test_out_of_range_numbers_exit_2_naming_flag_and_value(capsys, paths, cli, argv):
+    fn, base = _cli(cli, paths[0])
+    flag = next(a for a in reversed(argv) if re.match(r'-{1,2}[a-z]', a))
+    expect_usage_error(capsys, fn, base + argv, repr(argv[-1]), flag=flag)
+
+
+@pytest.mark.parametrize('cli, argv, names', [
+    ('train', ['--patchmix-grid', '2', '3', '4'], ['--patchmix-grid', '2 3 4']),
+    ('train', ['--cutmix-minmax', '0.8', '0.2'], ['--cutmix-minmax', '0.8', '0.2']),
+    ('train', ['--no-patch-loss', '--no-image-loss'], ['--no-patch-loss', '--no-image-loss']),
+    ('search', ['--grid', '2', '3', '4'], ['--grid', '2 3 4']),
+    ('demo', ['--grid', '40'], ['--grid', '40x40', '32x32']),
+    ('train', ['--opt', 'no_such_opt'], ['argument --opt', "'no_such_opt'"]),
+    ('train', ['--sched', 'no_such_sched'], ['argument --sched', "'no_such_sched'"]),
+    ('train', ['--clip-mode', 'agc'], ['argument --clip-mode', "'agc'"]),
+])
+def test_flag_combinations_exit_2(capsys, paths, cli, argv, names):
+    fn, base = _cli(cli, paths[0])
+    expect_usage_error(capsys, fn, base + argv, *names)
+
+
+def test_guided_and_random_prob_must_share_one_batch(capsys, paths):
+    table = paths[0]
+    expect_usage_error(capsys, train.cli, ['--patchmix', '--patchmix-table', table, '--guided-prob', '0.7',
+                                           '--random-prob', '0.5'], '--guided-prob 0.7', '--random-prob 0.5', '1.2')
+
+
+@pytest.mark.parametrize('argv', [
+    ['-j', '0'], ['--warmup-epochs', '0'], ['--smoothing', '0'], ['--patchmix-prob', '0'], ['--patchmix-prob', '1'],
+    ['--patch-loss-weight', '0'], ['--clip-grad', '0'], ['--mixup-off-epoch', '0'], ['--guided-prob', '1'],
+    ['--random-prob', '0'], ['--lr', '1e-6'], ['--cutmix-minmax', '0.2', '0.8'], ['--patchmix-grid', '2', '4'],
+    ['--fgsm', '0', '0.3'], ['--drop-path', '0'], ['--seed', '-1'], ['--opt', 'adamw'], ['--opt', 'lookahead_sgd'],
+    ['--sched', 'step'], ['--clip-mode', 'value'],
+])
+def test_meaningful_values_stay_valid(argv):
+    train.resolve_args(argv)
+
+
+@pytest.mark.parametrize('argv', [['--generations', '0'], ['--patience', '0'], ['--population', '2'],
+                                  ['--cxpb', '0', '--mutpb', '1'], ['--tournsize', '1', '--hof', '1']])
+def test_meaningful_search_values_stay_valid(paths, argv):
+    search.build_parser().parse_args(['--checkpoint', paths[0]] + argv)
+
+
+# --- paths --------------------------------------------------------------------------------------------------------
+def _path_cases():
+    # (entry point, argv with F = an existing file, D = an existing folder, flag named in the error, value)
+    return [
+        (train.cli, ['--resume', 'D'], '--resume', 'D'),
+        (train.cli, ['--initial-checkpoint', 'D'], '--initial-checkpoint', 'D'),
+        (train.cli, ['--patchmix', '--patchmix-table', 'D'], '--patchmix-table', 'D'),
+        (train.cli, ['--resume', 'D/missing.safetensors'], '--resume', 'D/missing.safetensors'),
+        (train.cli, ['--output', 'F'], '--output', 'F'),
+        (train.cli, ['--output', 'F/sub'], '--output', 'F/sub'),
+        (train.cli, ['--data-dir', 'F'], '--data-dir', 'F'),
+        (train.cli, ['F'], 'DIR', 'F'),
+        (search.cli, ['--checkpoint', 'D'], '--checkpoint', 'D'),
+        (search.cli, ['--checkpoint', 'F', '--output', 'F'], '--output', 'F'),
+        (search.cli, ['--checkpoint', 'F', '--data-dir', 'F'], '--data-dir', 'F'),
+        (robustness.main, ['--checkpoint', 'D'], '--checkpoint', 'D'),
+        (robustness.main, ['--checkpoint', 'F', '--output', 'F'], '--output', 'F'),
+        (robustness.main, ['--checkpoint', 'F', '--data-dir', 'F'], '--data-dir', 'F'),
+        (pipeline.cli, ['--output', 'F'], '--output', 'F'),
+        (pipeline.cli, ['--data-dir', 'F'], '--data-dir', 'F'),
+        (pipeline.cli, ['--train-args', '--resume', 'D'], '--resume', 'D'),
+        (demo.main, ['--output', 'F'], '--output', 'F'),
+        (hub.main, ['export', '--checkpoint', 'D', '--output', 'D/new'], '--checkpoint', 'D'),
+        (hub.main, ['export', '--checkpoint', 'F', '--output', 'F'], '--output', 'F'),
+        (hub.main, ['export', '--checkpoint', 'F', '--table', 'D', '--output', 'D/new'], '--table', 'D'),
+        (hub.main, ['push', '--checkpoint', 'F', '--repo-id', 'u/n', '--dry-run', '--folder', 'F'], '--folder', 'F'),
+        (hub.main, ['backbone', 'D', '--output', 'D/b.safetensors'], 'source', 'D'),
+        (hub.main, ['backbone', 'F', '--output', 'D'], '--output', 'D'),
+    ]
+
+
+@pytest.mark.parametrize('case', range(len(_path_cases())))
+def test_folder_for_file_and_file_for_folder(capsys, paths, case):
+    fn, argv, flag, value = _path_cases()[case]
+    f, d = paths
+
+    def sub(a):
+        return a.replace('F', f, 1) if a.startswith('F') else a.replace('D', d, 1) if a.startswith('D') else a
+    err = expect_usage_error(capsys, fn, [sub(a) for a in argv], repr(sub(value)), flag=flag)
+    assert ('the folder' in err or 'does not exist' in err) if value.startswith('D') else 'the file' in err
+
+
+def test_path_types_directly(tmp_path):
+    f = tmp_path / 'f'
+    f.write_text('x')
+    assert existing_file(str(f)) == str(f) and new_file(str(tmp_path / 'new')) == str(tmp_path / 'new')
+    assert directory(str(tmp_path)) == str(tmp_path) and directory(str(tmp_path / 'a' / 'b')) == str(tmp_path / 'a/b')
+    for fn, arg in [(existing_file, tmp_path), (existing_file, tmp_path / 'missing'), (existing_file, ''),
+                    (new_file, tmp_path), (directory, f), (directory, f / 'below'), (directory, '')]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(str(arg))
+
+
+def test_number_types_directly():
+    assert int_range(2)('2') == 2 and positive_float('1e-30') == 1e-30 and probability('1') == 1.0
+    assert float_range(0, 1, hi_open=True)('0') == 0.0
+    for fn, text in [(int_range(2), '1'), (int_range(0, 3), '4'), (int_range(1), '1.5'), (positive_float, '0'),
+                     (positive_float, '-inf'), (positive_float, 'nan'), (probability, 'nan'), (probability, '1.0001'),
+                     (float_range(0, 1, hi_open=True), '1')]:
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(text).replace('.', r'\.')):
+            fn(text)
+
+
+# --- model keyword arguments --------------------------------------------------------------------------------------
+TINY = ['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress', '--device', 'cpu']
+
+
+@pytest.mark.parametrize('extra, names', [
+    (['--model-kwargs', 'not_a_kwarg=3'], ['argument --model-kwargs', 'not_a_kwarg=3', 'resnet32_cifar']),
+    (['--model', 'patchhead_resnet32_cifar', '--model-kwargs', 'not_a_kwarg=3'],
+     ['argument --model-kwargs', 'not_a_kwarg', 'patchhead_resnet32_cifar']),
+    (['--model-kwargs', 'num_classes=3'], ['argument --model-kwargs', 'num_classes', '--num-classes']),
+])
+def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
+    expect_usage_error(capsys, train.cli, TINY + ['--output', str(tmp_path), '--experiment', 'kw'] + extra, *names)
+    assert not os.path.exists(tmp_path / 'kw'), 'stopped before the run folder is made'
+
+
+# --- a non-finite loss --------------------------------------------------------------------------------------------
+def test_non_finite_loss_stops_the_run_and_keeps_earlier_checkpoints(capsys, tmp_path):
+    # epoch 0 trains at the warm-up lr 0.01 and is saved; epoch 1 jumps to lr ~1e30, so its first update makes the
+    # weights explode and the loss of step 2 is not finite
+    argv = TINY + ['--epochs', '2', '--warmup-epochs', '1', '--warmup-lr', '0.01', '--lr', '1e30',
+                   '--output', str(tmp_path), '--experiment', 'nan']
+    assert train.cli(argv) == 1
+    err = capsys.readouterr().err
+    assert 'non-finite training loss' in err and 'at epoch 1, step 2 of 2' in err, err
+    assert 'Traceback' not in err
+    out = tmp_path / 'nan'
+    with open(out / 'summary.csv') as f:
+        assert [line.split(',')[0] for line in f.read().splitlines()[1:]] == ['0']
+    for name in ('best.safetensors', 'last.safetensors'):
+        weights, meta = load_weights(str(out / name))
+        assert meta['epoch'] == 0
+        assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
+    # best and last were both written at the end of epoch 0, and nothing after: the same bytes
+    assert (out / 'best.safetensors').read_bytes() == (out / 'last.safetensors').read_bytes()
+    assert load_state(str(out / 'state.safetensors'))['meta']['epoch'] == 0
+
+
+def test_non_finite_loss_error_message():
+    e = train.NonFiniteLossError(3, 17, 40, math.nan)
+    assert 'epoch 3, step 17 of 40' in str(e) and 'nan' in str(e) and isinstance(e, RuntimeError)
+    e = train.NonFiniteLossError(0, 1, 5, 2.5, bad_ranks=1, world_size=2)
+    assert 'on 1 of 2 processes at epoch 0, step 1 of 5' in str(e)

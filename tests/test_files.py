@@ -1,0 +1,538 @@
+"""Files the project reads get strict types and ranges, exports never delete their inputs, killed writes leave no
+temporaries, and the search's hall of fame and gene-score cache are exact."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix import hub
+from timm_patchmix.checkpoint import CheckpointError, atomic_write_text, load_state, save_state, save_weights
+from timm_patchmix.data import PATCHSHAPES_CLASSES
+from timm_patchmix.guided import MaskTable, MaskTableError, dataset_fingerprint
+from timm_patchmix.search.genome import Individual, grid_to_bits
+from timm_patchmix.search.loop import Search, build_parser, main as search_main
+from timm_patchmix.train import main as train_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))
+DATA = {'dataset': '', 'data_dir': '', 'val_split': 'validation', 'input_size': [3, 32, 32],
+        'mean': [0.4914, 0.4822, 0.4465], 'std': [0.247, 0.2435, 0.2616]}
+FP = dataset_fingerprint('', PATCHSHAPES_CLASSES)
+TINY_SEARCH = ['--population', '4', '--generations', '1', '--k', '2', '--val-subset', '300', '--no-progress',
+               '--no-plots', '--eval-batch-size', '64', '--seed', '1', '--device', 'cpu']
+
+
+def make_checkpoint(path, grid=(4, 4), num_classes=10, class_names=PATCHSHAPES_CLASSES, data=DATA, **meta):
+    torch.manual_seed(0)
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=num_classes, grid=list(grid))
+    doc = {'model': 'patchhead_resnet32_cifar', 'num_classes': num_classes, 'model_kwargs': {'grid': list(grid)},
+           'class_names': list(class_names), 'data': data,
+           'patchmix': {'enabled': True, 'grid': list(grid), 'table': None}, 'epoch': 0}
+    save_weights(path, m.state_dict(), dict(doc, **meta))
+    return path
+
+
+def tamper(src, dst, meta_fn=None, tensors_fn=None):
+    """Rewrite a safetensors file with its timm_patchmix metadata (and tensors) changed."""
+    with safe_open(src, framework='pt') as f:
+        md = dict(f.metadata())
+    tensors = load_file(src)
+    meta = json.loads(md['timm_patchmix'])
+    if meta_fn:
+        meta_fn(meta)
+    if tensors_fn:
+        tensors_fn(tensors)
+    md['timm_patchmix'] = json.dumps(meta)
+    save_file(tensors, dst, metadata=md)
+    return dst
+
+
+def tree(folder):
+    """Every file under ``folder`` with its bytes."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            p = os.path.join(root, name)
+            out[os.path.relpath(p, folder)] = open(p, 'rb').read()
+    return out
+
+
+@pytest.fixture(scope='module')
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp('ckpt') / 'best.safetensors'))
+
+
+# --- masks.json ------------------------------------------------------------------------------------------------
+def good_table_doc():
+    t = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), FP, [(0, 3), (2, 5)],
+                  [np.eye(4, dtype=bool), ~np.eye(4, dtype=bool)], [0.1, 0.2], 0.15, {'seed': 1})
+    return json.loads(t.to_json())
+
+
+def _set(path, value):
+    def change(doc):
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        if value is DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return change
+
+
+DELETE = object()
+BAD_TABLES = {  # name: (change, the field the error names)
+    'mask string "0"': (_set(['pairs', 0, 'mask', 0, 0], '0'), r'pairs\[0\]\.mask\[0\]\[0\]'),
+    'mask string "1"': (_set(['pairs', 0, 'mask', 1, 2], '1'), r'pairs\[0\]\.mask\[1\]\[2\]'),
+    'mask 2': (_set(['pairs', 1, 'mask', 3, 3], 2), r'pairs\[1\]\.mask\[3\]\[3\]'),
+    'mask 0.5': (_set(['pairs', 0, 'mask', 0, 1], 0.5), r'pairs\[0\]\.mask\[0\]\[1\]'),
+    'mask 1.0': (_set(['pairs', 0, 'mask', 0, 1], 1.0), r'pairs\[0\]\.mask\[0\]\[1\]'),
+    'mask null': (_set(['pairs', 0, 'mask', 2, 0], None), r'pairs\[0\]\.mask\[2\]\[0\]'),
+    'mask row short': (_set(['pairs', 0, 'mask', 1], [1, 0, 1]), r'pairs\[0\]\.mask\[1\]'),
+    'mask rows missing': (_set(['pairs', 0, 'mask'], [[1, 0, 1, 0]]), r'pairs\[0\]\.mask'),
+    'class bool': (_set(['pairs', 0, 'classes', 0], True), r'pairs\[0\]\.classes\[0\]'),
+    'class float': (_set(['pairs', 0, 'classes', 1], 3.0), r'pairs\[0\]\.classes\[1\]'),
+    'class string': (_set(['pairs', 0, 'classes', 0], '0'), r'pairs\[0\]\.classes\[0\]'),
+    'class out of range': (_set(['pairs', 1, 'classes', 1], 10), r'pairs\[1\]\.classes\[1\].*\[0, 9\]'),
+    'class negative': (_set(['pairs', 1, 'classes', 0], -1), r'pairs\[1\]\.classes\[0\]'),
+    'classes of three': (_set(['pairs', 0, 'classes'], [0, 1, 2]), r'pairs\[0\]\.classes'),
+    'pair repeated': (_set(['pairs', 1, 'classes'], [0, 3]), r'pairs\[1\] repeats .*pairs\[0\]'),
+    'pair reversed': (_set(['pairs', 1, 'classes'], [3, 0]), r'pairs\[1\] repeats .*pairs\[0\]'),
+    'grid zero': (_set(['grid'], [4, 0]), r': grid must be'),
+    'grid float': (_set(['grid'], [4.0, 4]), r': grid must be'),
+    'grid bool': (_set(['grid'], [True, 4]), r': grid must be'),
+    'grid string': (_set(['grid'], '4x4'), r': grid must be'),
+    'num_classes zero': (_set(['num_classes'], 0), r'num_classes must be an integer >= 1, got 0'),
+    'num_classes string': (_set(['num_classes'], '10'), r"num_classes must be .*got '10'"),
+    'num_classes float': (_set(['num_classes'], 10.0), r'num_classes must be .*got 10\.0'),
+    'num_classes bool': (_set(['num_classes'], True), r'num_classes must be .*got True'),
+    'class_names short': (_set(['class_names'], list(PATCHSHAPES_CLASSES[:9])), r'class_names must be a list of 10'),
+    'class_names not strings': (_set(['class_names', 3], 3), r'class_names\[3\] must be a string'),
+    'fingerprint number': (_set(['dataset_fingerprint'], 5), r'dataset_fingerprint must be'),
+    'score string': (_set(['pairs', 0, 'score'], 'low'), r'pairs\[0\]\.score must be a number'),
+    'best_fitness string': (_set(['best_fitness'], 'x'), r'best_fitness must be a number'),
+    'pair names': (_set(['pairs', 0, 'names'], ['square', 'disc']), r'pairs\[0\]\.names'),
+    'pairs not a list': (_set(['pairs'], {'0': 1}), r'pairs must be a list'),
+    'pair not an object': (_set(['pairs', 0], [0, 3]), r'pairs\[0\] must be an object'),
+    'grid missing': (_set(['grid'], DELETE), r"field 'grid' is missing"),
+    'search_args list': (_set(['search_args'], [1]), r'search_args must be an object'),
+    'schema version true': (_set(['schema_version'], True), r'schema version True'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(BAD_TABLES))
+def test_bad_mask_table_names_the_field(name, tmp_path):
+    change, field = BAD_TABLES[name]
+    doc = good_table_doc()
+    change(doc)
+    path = str(tmp_path / 'masks.json')
+    with open(path, 'w') as f:
+        json.dump(doc, f)
+    with pytest.raises(MaskTableError, match=field) as e:
+        MaskTable.load(path)
+    assert path in str(e.value)
+
+
+def test_good_mask_table_variants_load(tmp_path):
+    """Booleans and 0/1 integers are both masks; tables without names load; the shipped example loads."""
+    doc = good_table_doc()
+    doc['pairs'][0]['mask'] = [[bool(v) for v in row] for row in doc['pairs'][0]['mask']]
+    doc['class_names'] = None
+    for p in doc['pairs']:
+        p['names'] = None
+    path = str(tmp_path / 'masks.json')
+    with open(path, 'w') as f:
+        json.dump(doc, f)
+    t = MaskTable.load(path, grid=(4, 4), num_classes=10, fingerprint=FP)
+    assert t.class_names == [] and np.array_equal(t.masks[0], np.eye(4, dtype=bool))
+    example = os.path.join(ROOT, 'hub', 'patchhead_resnet32_cifar.gpm_fmnist', 'masks.json')
+    assert len(MaskTable.load(example).pairs) == 10
+
+
+# --- state.safetensors, checkpoint metadata, config.json -------------------------------------------------------
+def _train_state(path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    rows = [{'epoch': e, 'train_loss': 1.0, 'eval_loss': 1.0, 'eval_top1': 50.0, 'eval_top5': 90.0, 'lr': 0.1,
+             'img_s': 100.0} for e in range(2)]
+    save_state(path, model.state_dict(), opt, {'epoch': 1, 'rows': rows, 'best': {'score': 50.0, 'epoch': 0,
+                                                                                  'metric': 'top1'},
+                                               'updates': 4, 'args': {'model': 'x'}, 'seed': 0})
+    return path
+
+
+BAD_STATES = {
+    'epoch string': (lambda m: m.update(epoch='1'), r"epoch must be an integer >= 0, got '1'"),
+    'epoch negative': (lambda m: m.update(epoch=-1), r'epoch must be an integer >= 0, got -1'),
+    'epoch float': (lambda m: m.update(epoch=1.5), r'epoch must be an integer >= 0, got 1\.5'),
+    'rows too few': (lambda m: m.update(rows=m['rows'][:1]), r'rows must be a list of 2'),
+    'row epoch': (lambda m: m['rows'][1].update(epoch=7), r'rows\[1\]\.epoch must be an integer in \[1, 1\]'),
+    'row top1 string': (lambda m: m['rows'][0].update(eval_top1='99'), r'rows\[0\]\.eval_top1 must be a number'),
+    'best epoch': (lambda m: m['best'].update(epoch=5), r'best\.epoch must be an integer in \[0, 1\]'),
+    'best metric': (lambda m: m['best'].update(metric='acc'), r'best\.metric'),
+    'updates bool': (lambda m: m.update(updates=True), r'updates must be an integer'),
+    'args list': (lambda m: m.update(args=[]), r'args must be an object'),
+    'param index': (lambda m: m['optimizer']['param_groups'][0].update(params=['0']),
+                    r'optimizer\.param_groups\[0\]\.params\[0\]'),
+    'python rng short': (lambda m: m['rng']['python'][1].pop(), r'rng\.python\[1\] must be a list of 625'),
+    'numpy rng pos': (lambda m: m['rng']['numpy'].__setitem__(1, 700), r'rng\.numpy\[1\]'),
+}
+
+
+def test_tampered_training_state_is_refused(tmp_path):
+    good = _train_state(str(tmp_path / 'state.safetensors'))
+    assert load_state(good)['meta']['epoch'] == 1
+    for name, (change, message) in BAD_STATES.items():
+        bad = tamper(good, str(tmp_path / 'bad.safetensors'), change)
+        with pytest.raises(CheckpointError, match=message) as e:
+            load_state(bad)
+        assert 'bad.safetensors' in str(e.value), name
+    # train.py turns it into an error line naming the file and field, before it trains anything
+    bad = tamper(good, str(tmp_path / 'bad.safetensors'), BAD_STATES['epoch string'][0])
+    with pytest.raises(SystemExit, match=r"cannot resume: .*bad\.safetensors: epoch must be an integer"):
+        train_main(['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress',
+                    '--epochs', '1', '--output', str(tmp_path / 'o'), '--resume', bad])
+
+
+BAD_META = {
+    'num_classes string': (lambda m: m.update(num_classes='10'), r"num_classes must be an integer >= 1, got '10'"),
+    'num_classes zero': (lambda m: m.update(num_classes=0), r'num_classes must be an integer >= 1'),
+    'class_names short': (lambda m: m.update(class_names=m['class_names'][:9]), r'class_names must be a list of 10'),
+    'class_names ints': (lambda m: m.update(class_names=list(range(10))), r'class_names\[0\] must be a string'),
+    'input size': (lambda m: m['data'].update(input_size=[3, 32]), r'data\.input_size must be \[channels'),
+    'input size float': (lambda m: m['data'].update(input_size=[3, 32.0, 32]), r'data\.input_size'),
+    'std zero': (lambda m: m['data'].update(std=[0, 1, 1]), r'data\.std must be positive'),
+    'grid': (lambda m: m['patchmix'].update(grid=[4, 0]), r'patchmix\.grid must be \[rows, cols\]'),
+    'epoch': (lambda m: m.update(epoch=-3), r'epoch must be an integer >= 0, got -3'),
+    'dataset': (lambda m: m['data'].update(dataset=7), r'data\.dataset must be a string'),
+    'pretrained': (lambda m: m['model_kwargs'].update(pretrained=True), r"model_kwargs holds 'pretrained'"),
+    'checkpoint_path': (lambda m: m['model_kwargs'].update(checkpoint_path='/tmp/x.pth'),
+                        r"model_kwargs holds 'checkpoint_path'"),
+    'pretrained_cfg_overlay': (lambda m: m['model_kwargs'].update(pretrained_cfg_overlay={'file': '/etc/passwd'}),
+                               r"model_kwargs holds 'pretrained_cfg_overlay'"),
+    'kwarg grid string': (lambda m: m['model_kwargs'].update(grid=[4, '4']), r'model_kwargs\.grid'),
+    'kwarg drop rate': (lambda m: m['model_kwargs'].update(drop_rate=3.0), r'model_kwargs\.drop_rate'),
+    'model_kwargs list': (lambda m: m.update(model_kwargs=['grid']), r'model_kwargs must be an object'),
+}
+
+
+def test_tampered_checkpoint_metadata_is_refused(ckpt, tmp_path):
+    hub.model_from_weights(ckpt)
+    for name, (change, message) in BAD_META.items():
+        bad = tamper(ckpt, str(tmp_path / 'bad.safetensors'), change)
+        with pytest.raises(CheckpointError, match=message) as e:
+            hub.model_from_weights(bad)
+        assert 'bad.safetensors' in str(e.value), name
+    # the search says so in one line
+    bad = tamper(ckpt, str(tmp_path / 'bad.safetensors'), BAD_META['pretrained'][0])
+    with pytest.raises(SystemExit, match="error: .*model_kwargs holds 'pretrained'"):
+        search_main(['--checkpoint', bad, '--output', str(tmp_path / 's')] + TINY_SEARCH)
+
+
+def test_config_json_with_download_or_bad_fields_is_refused(ckpt, tmp_path):
+    folder = hub.export_folder(ckpt, str(tmp_path / 'repo'))
+    cfg_path = os.path.join(folder, 'config.json')
+    good = json.load(open(cfg_path))
+    hub.load_model(f'local-dir:{folder}')
+
+    def write(change):
+        cfg = copy.deepcopy(good)
+        change(cfg)
+        with open(cfg_path, 'w') as f:
+            json.dump(cfg, f)
+    write(lambda c: c['model_args'].update(pretrained=True))
+    with pytest.raises(CheckpointError, match=r"config\.json: model_args holds 'pretrained', which a file may not"):
+        hub.load_model(f'local-dir:{folder}')
+    with pytest.raises(SystemExit, match=r"model_args holds 'pretrained'"):
+        train_main(['--model', f'local-dir:{folder}', '--output', str(tmp_path / 'o'), '--epochs', '1'])
+    # timm's own loader reaches the patchhead factory, which checks the same fields
+    write(lambda c: c['model_args'].update(checkpoint_path=os.path.join(folder, 'model.safetensors')))
+    with pytest.raises(CheckpointError, match=r"model_args holds 'checkpoint_path'"):
+        timm.create_model(f'local-dir:{folder}', pretrained=True)
+    for change, message, via_timm in [
+            (lambda c: c['model_args'].update(pretrained_cfg_overlay={'url': 'http://example.com/w.pth'}),
+             r"model_args holds 'pretrained_cfg_overlay'", False),  # timm itself stops at a duplicate argument
+            (lambda c: c['model_args'].update(per_position='no'), r'model_args\.per_position must be true or false',
+             True),
+            (lambda c: c.update(num_classes='10'), r"num_classes must be an integer >= 1, got '10'", True),
+            (lambda c: c.update(label_names=c['label_names'][:3]), r'label_names must be a list of 10', True),
+            (lambda c: c.update(model_args=[1]), r'model_args must be an object', False)]:
+        write(change)
+        with pytest.raises(CheckpointError, match=message):
+            hub.load_model(f'local-dir:{folder}')
+        if via_timm:
+            with pytest.raises(CheckpointError, match=message):
+                timm.create_model(f'local-dir:{folder}', pretrained=True)
+
+
+# --- search_state.safetensors ----------------------------------------------------------------------------------
+def test_tampered_search_state_is_refused(ckpt, tmp_path):
+    out = tmp_path / 'search'
+    search_main(['--checkpoint', ckpt, '--output', str(out)] + TINY_SEARCH)
+    state = str(out / 'search_state.safetensors')
+    good = open(state, 'rb').read()
+    cases = [
+        (lambda m: m.update(generation='1'), None, r"generation must be an integer >= 0, got '1'"),
+        (lambda m: m.update(logbook=m['logbook'][:1]), None, r'logbook must be a list of 2'),
+        (lambda m: m.update(forward_images=-5), None, r'forward_images must be an integer >= 0'),
+        (lambda m: m.update(grid=[4, 4.0]), None, r'grid must be \[rows, cols\]'),
+        (lambda m: m.update(settings=['--k']), None, r'settings must be an object'),
+        (None, lambda t: t['pop.masks'].__setitem__((0, 3), 1 << 20), r'pop\.masks\[0\] must be masks in \[0, 65535\]'),
+        (None, lambda t: t['pop.active'].__setitem__((1, 0), 45), r'pop\.active\[1\] must be sorted distinct'),
+        (None, lambda t: t.update({'hof.fitness': t['hof.fitness'].float()}), r'hof\.fitness must be float64'),
+        (None, lambda t: t['cache.pairs'].__setitem__(0, 999), r'cache\.pairs must be pair indices in \[0, 45\)'),
+        (None, lambda t: t.update({'rng.torch': t['rng.torch'][:100]}), r'rng\.torch must be'),
+        (None, lambda t: t.pop('cache.scores'), r"'cache\.scores' is missing"),
+    ]
+    for meta_fn, tensors_fn, message in cases:
+        with open(state, 'wb') as f:
+            f.write(good)
+        tamper(state, state, meta_fn, tensors_fn)
+        with pytest.raises(SystemExit, match=r'error: cannot resume the search: .*search_state\.safetensors: '
+                           r'(the tensor )?' + message):
+            search_main(['--checkpoint', ckpt, '--output', str(out), '--resume'] + TINY_SEARCH)
+    # a state of the earlier layout (one int64 key per gene) still resumes where its keys were exact
+
+    def legacy(t):
+        t['cache.keys'] = t.pop('cache.pairs') * (1 << 16) + t.pop('cache.masks')
+    with open(state, 'wb') as f:
+        f.write(good)
+    table = (out / 'masks.json').read_bytes()
+    tamper(state, state, None, legacy)
+    search_main(['--checkpoint', ckpt, '--output', str(out), '--resume'] + TINY_SEARCH)
+    assert (out / 'masks.json').read_bytes() == table
+
+
+# --- hub export: its inputs stay, the table must belong to the model, failures leave nothing ------------------
+def _run_folder(tmp_path):
+    run = tmp_path / 'runs' / 'rpm'
+    run.mkdir(parents=True)
+    best = make_checkpoint(str(run / 'best.safetensors'))
+    _train_state(str(run / 'state.safetensors'))
+    (run / 'last.safetensors').write_bytes(open(best, 'rb').read())
+    (run / 'summary.csv').write_text('epoch,eval_top1,eval_top5\n0,50.0,90.0\n')
+    (run / 'args.yaml').write_text('model: patchhead_resnet32_cifar\n')
+    return str(run), best
+
+
+def test_export_overwrite_never_deletes_the_run(tmp_path, capsys):
+    run, best = _run_folder(tmp_path)
+    before = tree(str(tmp_path))
+    for dest, message in [(run, 'is the run folder'), (str(tmp_path / 'runs'), 'contains the run folder'),
+                          (str(tmp_path), 'contains the run folder'), (best, 'is not a folder')]:
+        try:
+            rc = hub.main(['export', '--checkpoint', best, '--output', dest, '--overwrite'])
+        except SystemExit as e:  # an argument check of the command line
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and 'Traceback' not in err, err
+        assert message in err or dest == best, err
+        with pytest.raises(FileExistsError, match=message):
+            hub.export_folder(best, dest, overwrite=True)
+        assert tree(str(tmp_path)) == before, dest
+    # a destination inside the run folder is fine, and a table inside the destination is refused
+    assert hub.main(['export', '--checkpoint', best, '--output', os.path.join(run, 'hub')]) == 0
+    table = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), FP, [(0, 1)], [np.eye(4, dtype=bool)], [0.1], 0.1)
+    table.save(os.path.join(run, 'hub', 'masks-copy.json'))
+    with pytest.raises(FileExistsError, match='contains the mask table'):
+        hub.export_folder(best, os.path.join(run, 'hub'), table=os.path.join(run, 'hub', 'masks-copy.json'),
+                          overwrite=True)
+    assert {k: v for k, v in tree(str(tmp_path)).items() if not k.startswith(os.path.join('runs', 'rpm', 'hub'))} \
+        == before
+
+
+def test_export_table_must_match_the_model(ckpt, tmp_path, capsys):
+    pairs, masks = [(0, 1), (2, 3)], [np.eye(4, dtype=bool), ~np.eye(4, dtype=bool)]
+    ours = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), FP, pairs, masks, [0.1, 0.2], 0.15)
+    ours.save(str(tmp_path / 'ours.json'))
+    hub.export_folder(ckpt, str(tmp_path / 'ok'), table=str(tmp_path / 'ours.json'))
+    fmnist = ['T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal', 'Shirt', 'Sneaker', 'Bag', 'Ankle boot']
+    other = MaskTable((4, 4), 10, fmnist, dataset_fingerprint('fashion_mnist', fmnist), pairs, masks, [0.1, 0.2], 0.15)
+    other.save(str(tmp_path / 'other.json'))
+    assert hub.main(['export', '--checkpoint', ckpt, '--output', str(tmp_path / 'x'), '--table',
+                     str(tmp_path / 'other.json')]) == 2
+    err = capsys.readouterr().err
+    assert 'does not belong to the model' in err and 'another dataset' in err, err
+    # the right fingerprint but other class names (edited by hand)
+    renamed = copy.deepcopy(ours)
+    renamed.class_names = list(reversed(PATCHSHAPES_CLASSES))
+    renamed.save(str(tmp_path / 'renamed.json'))
+    with pytest.raises(CheckpointError, match='names the classes'):
+        hub.export_folder(ckpt, str(tmp_path / 'x'), table=str(tmp_path / 'renamed.json'))
+    # a checkpoint without class names cannot vouch for any table
+    bare = tamper(ckpt, str(tmp_path / 'bare.safetensors'), lambda m: m.pop('class_names'))
+    with pytest.raises(CheckpointError, match='records no class names'):
+        hub.export_folder(bare, str(tmp_path / 'x'), table=str(tmp_path / 'ours.json'))
+    assert not (tmp_path / 'x').exists()
+
+
+def test_failed_export_leaves_no_folder(ckpt, tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError('disk full')
+    monkeypatch.setattr(hub, '_model_card', broken)
+    dest = tmp_path / 'new' / 'deeper' / 'repo'
+    with pytest.raises(RuntimeError, match='disk full'):
+        hub.export_folder(str(ckpt), str(dest))
+    assert os.listdir(tmp_path) == []
+    # replacing an existing folder: the old one stays as it was
+    (tmp_path / 'repo').mkdir()
+    (tmp_path / 'repo' / 'keep.txt').write_text('old')
+    with pytest.raises(RuntimeError, match='disk full'):
+        hub.export_folder(str(ckpt), str(tmp_path / 'repo'), overwrite=True)
+    assert os.listdir(tmp_path) == ['repo'] and os.listdir(tmp_path / 'repo') == ['keep.txt']
+
+
+# --- killed writes ---------------------------------------------------------------------------------------------
+KILLED_WRITER = '''
+import os, signal, sys
+from timm_patchmix.checkpoint import _atomic, temp_dir
+def die(tmp):
+    with open(tmp, 'wb') as f:
+        f.write(b'half a state')
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == 'dir':
+    temp_dir(sys.argv[1])
+    os.kill(os.getpid(), signal.SIGKILL)
+_atomic(sys.argv[1], die)
+'''
+
+
+def test_stale_temporaries_are_cleaned_by_the_next_run(ckpt, tmp_path):
+    run = tmp_path / 'run'
+    run.mkdir()
+
+    def killed(target, kind='file'):
+        r = subprocess.run([sys.executable, '-c', KILLED_WRITER, str(target), kind], env=dict(os.environ,
+                           PYTHONPATH=PYPATH), capture_output=True, timeout=120)
+        assert r.returncode == -9, r.stderr.decode()[-2000:]
+    killed(run / 'state.safetensors')
+    stale = [f for f in os.listdir(run) if f.endswith('.tmp')]
+    assert len(stale) == 1 and stale[0].startswith('.state.safetensors.patchmix-')
+    killed(run / 'summary.csv')  # a next run, killed too: the first one's temporary is gone, its own is left
+    stale = [f for f in os.listdir(run) if f.endswith('.tmp')]
+    assert len(stale) == 1 and stale[0].startswith('.summary.csv.patchmix-')
+    # a temporary of a process that is still running stays
+    live = run / f'.last.safetensors.patchmix-{os.getppid()}-abc123.tmp'
+    live.write_bytes(b'x')
+    atomic_write_text(str(run / 'summary.csv'), 'epoch\n0\n')  # the next run's first write into the folder
+    assert sorted(f for f in os.listdir(run) if f.endswith('.tmp')) == [live.name]
+    live.unlink()
+    # the same for a killed export: its build folder goes with the next export beside it
+    (tmp_path / 'hub').mkdir()
+    killed(tmp_path / 'hub' / 'repo', 'dir')
+    assert len([f for f in os.listdir(tmp_path / 'hub') if f.endswith('.tmp')]) == 1
+    hub.export_folder(ckpt, str(tmp_path / 'hub' / 'repo'))
+    assert os.listdir(tmp_path / 'hub') == ['repo']
+
+
+# --- the search: hall of fame with same-class pairs, exact gene-score cache keys ------------------------------
+def image_folder(root, classes, per_class=3):
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        d = os.path.join(root, 'validation', f'c{c:02d}')
+        os.makedirs(d)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(os.path.join(d, f'{i}.png'))
+    return root
+
+
+@pytest.fixture(scope='module')
+def wide_search(tmp_path_factory):
+    """A search on a 7x8 grid over 24 classes (276 cross pairs + 24 same-class): pair indices past 2**7 do not
+    fit beside 56 mask bits in an int64."""
+    tmp = tmp_path_factory.mktemp('wide')
+    names = [f'c{c:02d}' for c in range(24)]
+    data = image_folder(str(tmp / 'data'), 24)
+    ck = make_checkpoint(str(tmp / 'ft.safetensors'), grid=(7, 8), num_classes=24, class_names=names,
+                         data=dict(DATA, data_dir=data))
+    args = build_parser().parse_args(['--checkpoint', ck, '--output', str(tmp / 'out'), '--population', '4',
+                                      '--generations', '2', '--k', '1', '--no-progress', '--no-plots',
+                                      '--same-class-pairs', '--device', 'cpu', '--seed', '2'])
+    os.makedirs(args.output)
+    search = Search(args)
+    search.run()
+    return search
+
+
+def test_hall_of_fame_keeps_individuals_that_differ_in_same_class_masks(wide_search):
+    s = wide_search
+    forced = s.space.forced
+    saved = list(s.hof.items), list(s.hof.keys)
+    try:
+        _check_hof(s, forced)
+    finally:
+        s.hof.items, s.hof.keys = saved
+
+
+def _check_hof(s, forced):
+    a = copy.deepcopy(s.hof[0])
+    b = copy.deepcopy(a)
+    b.masks[forced[0]] ^= 1  # only the first same-class pair's mask differs
+    better = min if s.args.fitness == 'min' else max
+    a.fitness.values = (0.5,)
+    b.fitness.values = (better(0.4, 0.6),)
+    s.hof.clear()
+    s.hof.update([a])
+    s.hof.update([b])
+    assert len(s.hof) == 2 and s.hof[0] is not a
+    assert np.array_equal(s.hof[0].masks, b.masks)
+    # the table is the best individual's, same-class masks included
+    s.scorer.ensure(*b.genes(forced))
+    table = s.table()
+    c0 = int(s.space.pairs[forced[0]][0])
+    got = table.masks[table.pairs.index((c0, c0))]
+    assert grid_to_bits(got) == int(b.masks[forced[0]])
+
+
+def test_cache_keys_exact_on_a_7x8_grid(wide_search):
+    s = wide_search
+    sc = s.scorer
+    full = (1 << 56) - 1
+    n = len(s.space)
+    pair = np.array([0, 3, 3 + 256, 127, 128, n - 1, n - 1, 259], dtype=np.int64)
+    mask = np.array([full, 5, 5, full, full, 0, full, 6], dtype=np.int64)
+    keys = sc.key(pair, mask).tolist()
+    assert len(set(keys)) == len(keys)
+    assert keys == [(int(p) << 56) | int(m) for p, m in zip(pair, mask)]
+    # genes whose pair indices are 256 apart, with one mask, have different scores; the cache keeps them apart
+    rng = np.random.default_rng(0)
+    found = None
+    for p in range(0, n - 256):
+        m = int(rng.integers(0, full + 1))
+        direct = sc.score_genes(np.array([p, p + 256]), np.array([m, m]))
+        if direct[0] != direct[1]:
+            found = (p, m, direct)
+            break
+    assert found is not None
+    p, m, direct = found
+    sc.ensure(np.array([p, p + 256]), np.array([m, m]))
+    assert sc.lookup(np.array([p, p + 256]), np.array([m, m])).tolist() == direct.tolist()
+    # every individual's memoised fitness is its direct one
+    for ind in s.population + list(s.hof):
+        assert s.evaluate_direct(ind) == ind.fitness.values[0]
+    # the state file keeps the cache exactly, and a resume reads it back
+    before = dict(sc.cache)
+    assert max(before) > (1 << 63)
+    s.save_state()
+    sc.cache = {}
+    s.load_state()
+    assert sc.cache == before
+
+
+def test_individual_genes_round_trip_big_masks():
+    ind = Individual(np.array([1, 2]), np.array([0, (1 << 56) - 1, 1 << 55, 7]), None)
+    idx, masks = ind.genes(np.array([3]))
+    assert idx.tolist() == [1, 2, 3] and masks.tolist() == [(1 << 56) - 1, 1 << 55, 7]

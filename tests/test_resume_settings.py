@@ -1,0 +1,303 @@
+"""A resume or rerun with other settings is refused, naming each changed setting with its old and new value, and
+leaves every existing file as it was; the same settings still resume."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix.checkpoint import save_weights
+from timm_patchmix.data import PATCHSHAPES_CLASSES
+from timm_patchmix.guided import MaskTable, dataset_fingerprint
+from timm_patchmix.pipeline import SETTINGS_FILE, _phase_settings, build_parser as pipeline_parser
+from timm_patchmix.pipeline import main as pipeline_main
+from timm_patchmix.search.loop import main as search_main
+from timm_patchmix.settings import SettingsChangedError, file_record, write_settings
+from timm_patchmix.train import main as train_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
+ENV = dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1')
+DATA = {'dataset': '', 'data_dir': '', 'val_split': 'validation', 'input_size': [3, 32, 32],
+        'mean': [0.4914, 0.4822, 0.4465], 'std': [0.247, 0.2435, 0.2616]}
+
+
+def snapshot(folder):
+    """Every file under ``folder`` with its bytes and modification time."""
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, 'rb') as fh:
+                out[os.path.relpath(p, folder)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def refused(call, *names_and_values):
+    """Run ``call``, expect a SettingsChangedError, and check the message names each ``(setting, old, new)``."""
+    with pytest.raises(SettingsChangedError) as info:
+        call()
+    msg = str(info.value)
+    for setting, old, new in names_and_values:
+        assert f'{setting}: {old} before, {new} now' in msg, msg
+    return msg
+
+
+# --- train.py --resume -----------------------------------------------------------------------------------------
+TINY = ['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress', '--device', 'cpu',
+        '--log-interval', '1000']
+
+
+def write_table(path, seed):
+    rng = np.random.default_rng(seed)
+    pairs = [(i, i + 1) for i in range(0, 10, 2)]
+    MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), dataset_fingerprint('', PATCHSHAPES_CLASSES), pairs,
+              [rng.random((4, 4)) < 0.5 for _ in pairs], [0.1] * len(pairs), 0.1).save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """One-epoch runs to resume: Random PatchMix, Guided PatchMix with a table, and Mixup."""
+    root = tmp_path_factory.mktemp('train')
+    table = write_table(tmp_path_factory.mktemp('table') / 'masks.json', seed=0)  # outside the runs' snapshots
+    runs = {'pm': ['--model', 'patchhead_resnet32_cifar', '--patchmix'],
+            'gpm': ['--model', 'patchhead_resnet32_cifar', '--patchmix', '--patchmix-table', table],
+            'mixup': ['--model', 'resnet32_cifar', '--mixup', '0.2']}
+    for name, flags in runs.items():
+        train_main(TINY + ['--epochs', '1', '--output', str(root), '--experiment', name] + flags)
+    return root, runs
+
+
+def resume_train(root, name, flags, epochs=2):
+    return train_main(TINY + ['--epochs', str(epochs), '--output', str(root), '--experiment', name,
+                              '--resume', str(root / name / 'state.safetensors')] + flags)
+
+
+@pytest.mark.parametrize('run, drop, change, expect', [
+    ('pm', None, ['--patchmix-grid', '2'], [('--patchmix-grid', '[4, 4]', '[2, 2]')]),
+    ('pm', None, ['--patchmix-mode', 'pair'], [('--patchmix-mode', "'elem'", "'pair'")]),
+    ('pm', None, ['--patchmix-collate'], [('--patchmix-collate', 'False', 'True')]),
+    ('pm', None, ['--patchmix-alpha', '0.5'], [('--patchmix-alpha', '1.0', '0.5')]),
+    ('pm', '--patchmix', [], [('--patchmix', 'True', 'False')]),
+    ('mixup', None, ['--mixup', '0.5', '--cutmix', '1.0'], [('--mixup', '0.2', '0.5'), ('--cutmix', '0.0', '1.0')]),
+    ('mixup', None, ['--mixup-mode', 'pair'], [('--mixup-mode', "'batch'", "'pair'")]),
+])
+def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
+    root, runs = trained
+    flags = [f for f in runs[run] if f != drop]
+    before = snapshot(root)
+    msg = refused(lambda: resume_train(root, run, flags + change), *expect)
+    assert msg.startswith(f'cannot resume from {root / run / "state.safetensors"}')
+    assert snapshot(root) == before
+
+
+def test_train_resume_compares_the_table_by_content(trained, tmp_path):
+    root, runs = trained
+    flags = runs['gpm']
+    table = flags[-1]
+    old = file_record(table)
+    before = snapshot(root)
+    write_table(table, seed=1)  # the same path, other masks
+    new = file_record(table)
+    try:
+        refused(lambda: resume_train(root, 'gpm', flags),
+                ('--patchmix-table', f"{table!r} (sha256 {old['sha256'][:12]})",
+                 f"{table!r} (sha256 {new['sha256'][:12]})"))
+    finally:
+        write_table(table, seed=0)
+    assert snapshot(root) == before
+    # a table added to a Random PatchMix run
+    refused(lambda: resume_train(root, 'pm', runs['pm'] + ['--patchmix-table', table]),
+            ('--patchmix-table', 'None', f"{table!r} (sha256 {old['sha256'][:12]})"))
+    assert snapshot(root) == before
+
+
+def test_train_cli_exits_2_naming_the_change(trained):
+    root, runs = trained
+    before = snapshot(root)
+    state = str(root / 'pm' / 'state.safetensors')
+    proc = subprocess.run([sys.executable, 'train.py'] + TINY + [
+        '--epochs', '2', '--output', str(root), '--experiment', 'pm', '--resume', state,
+        '--patchmix-mode', 'batch'] + runs['pm'], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: cannot resume from" in proc.stderr and "--patchmix-mode: 'elem' before, 'batch' now" in proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert snapshot(root) == before
+
+
+def test_train_same_settings_resume(trained, tmp_path):
+    root, runs = trained
+    # the table moved, same content: still the same settings; the schedule may change on a resume
+    copy = str(tmp_path / 'moved.json')
+    shutil.copyfile(runs['gpm'][-1], copy)
+    work = tmp_path / 'work'
+    shutil.copytree(root / 'gpm', work / 'gpm')
+    res = resume_train(work, 'gpm', runs['gpm'][:-1] + [copy], epochs=2)
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+
+
+# --- search.py --resume ----------------------------------------------------------------------------------------
+SEARCH = ['--population', '8', '--generations', '1', '--k', '4', '--val-subset', '200', '--no-progress',
+          '--eval-batch-size', '64', '--seed', '3', '--device', 'cpu', '--no-plots']
+
+
+def make_checkpoint(path, seed):
+    torch.manual_seed(seed)
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=10, grid=[4, 4])
+    save_weights(str(path), m.state_dict(), {'model': 'patchhead_resnet32_cifar', 'num_classes': 10,
+                                             'model_kwargs': {'grid': [4, 4]},
+                                             'class_names': list(PATCHSHAPES_CLASSES), 'data': DATA})
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def searched(tmp_path_factory):
+    root = tmp_path_factory.mktemp('search')
+    ckpt = make_checkpoint(root / 'ft.safetensors', seed=0)
+    search_main(['--checkpoint', ckpt, '--output', str(root / 's')] + SEARCH)
+    return root, ckpt
+
+
+@pytest.mark.parametrize('change, expect', [
+    (['--score', 'loss'], [('--score', "'accuracy'", "'loss'")]),
+    (['--fitness', 'max'], [('--fitness', "'min'", "'max'")]),
+    (['--k', '2'], [('--k', '4', '2')]),
+    (['--seed', '4'], [('--seed', '3', '4')]),
+    (['--n-active', '5'], [('--n-active', '10', '5')]),
+    (['--population', '6'], [('--population', '8', '6')]),
+    (['--val-subset', '100', '--val-split', 'train'], [('--val-subset', '200', '100'),
+                                                       ('--val-split', "'validation'", "'train'")]),
+    (['--same-class-pairs'], [('--same-class-pairs', 'False', 'True')]),
+    (['--tournsize', '2'], [('--tournsize', '3', '2')]),
+])
+def test_search_resume_refuses_changed_settings(searched, change, expect):
+    root, ckpt = searched
+    before = snapshot(root)
+    msg = refused(lambda: search_main(['--checkpoint', ckpt, '--output', str(root / 's'), '--resume'] + SEARCH +
+                                      change), *expect)
+    assert msg.startswith(f'cannot resume the search in {root / "s"}')
+    assert 'another --output' in msg
+    assert snapshot(root) == before
+
+
+def test_search_resume_compares_the_checkpoint_by_content(searched, tmp_path):
+    root, ckpt = searched
+    other = make_checkpoint(tmp_path / 'other.safetensors', seed=1)
+    before = snapshot(root)
+    refused(lambda: search_main(['--checkpoint', other, '--output', str(root / 's'), '--resume'] + SEARCH),
+            ('--checkpoint', f"{ckpt!r} (sha256 {file_record(ckpt)['sha256'][:12]})",
+             f"{other!r} (sha256 {file_record(other)['sha256'][:12]})"))
+    assert snapshot(root) == before
+    proc = subprocess.run([sys.executable, 'search.py', '--checkpoint', other, '--output', str(root / 's'),
+                           '--resume'] + SEARCH, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert 'error: cannot resume the search' in proc.stderr and '--checkpoint: ' in proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert snapshot(root) == before
+
+
+def test_search_same_settings_resume(searched, tmp_path):
+    root, ckpt = searched
+    moved = str(tmp_path / 'moved.safetensors')  # the same weights elsewhere: the same settings
+    shutil.copyfile(ckpt, moved)
+    shutil.copytree(root / 's', tmp_path / 's')
+    table = search_main(['--checkpoint', moved, '--output', str(tmp_path / 's'), '--resume'] + SEARCH +
+                        ['--generations', '2'])  # when to stop may change
+    assert table.search_args['generations'] == 2
+    assert (tmp_path / 's' / 'logbook.csv').read_text().count('\n') == 4  # header + generations 0..2
+
+
+# --- the pipeline ----------------------------------------------------------------------------------------------
+PIPE_TRAIN = ['--train-args', '--train-subset', '32', '--val-subset', '16', '-b', '16', '--epochs', '1',
+              '--device', 'cpu']
+
+
+@pytest.fixture(scope='module')
+def piped(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('pipe') / 'out')
+    text = pipeline_main(['--output', out, '--methods', 'base'] + PIPE_TRAIN)
+    return out, text
+
+
+@pytest.mark.parametrize('change, expect', [
+    (['--budget', 'small'], [('--budget', "'smoke'", "'small'")]),
+    (['--model', 'preactresnet18_cifar'], [('--model', "'resnet32_cifar'", "'preactresnet18_cifar'")]),
+    (['--dataset', 'fashion_mnist'], [('--dataset', "''", "'fashion_mnist'")]),
+    (['--data-dir', '/elsewhere'], [('--data-dir', "''", "'/elsewhere'")]),
+])
+def test_pipeline_refuses_changed_settings(piped, change, expect):
+    out, _ = piped
+    before = snapshot(out)
+    msg = refused(lambda: pipeline_main(['--output', out, '--methods', 'base'] + change + PIPE_TRAIN), *expect)
+    assert msg.startswith(f'cannot reuse {os.path.join(out, "seed0", "base")}')
+    assert 'another --output' in msg
+    assert snapshot(out) == before
+
+
+def test_pipeline_refuses_changed_train_args_from_the_cli(piped):
+    out, _ = piped
+    before = snapshot(out)
+    changed = [a if a != '32' else '48' for a in PIPE_TRAIN]
+    proc = subprocess.run([sys.executable, '-m', 'timm_patchmix.pipeline', '--output', out, '--methods', 'base',
+                           'mixup'] + changed, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    old, new = repr(PIPE_TRAIN[1:]), repr(changed[1:])
+    assert f'--train-args: {old} before, {new} now' in proc.stderr, proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert snapshot(out) == before  # not even the new mixup phase started
+
+
+def test_pipeline_same_settings_reuse(piped):
+    out, text = piped
+    stamp = os.stat(os.path.join(out, 'seed0', 'base', 'last.safetensors')).st_mtime_ns
+    assert pipeline_main(['--output', out, '--methods', 'base'] + PIPE_TRAIN) == text
+    assert os.stat(os.path.join(out, 'seed0', 'base', 'last.safetensors')).st_mtime_ns == stamp
+
+
+def test_pipeline_refuses_unrecorded_and_changed_inputs(tmp_path):
+    """A phase folder without its settings record is not reused; nor is a finished search whose f_T, or a guided
+    model whose table, has other content than when the phase ran."""
+    out = tmp_path / 'out'
+    (out / 'seed0' / 'base').mkdir(parents=True)
+    (out / 'seed0' / 'base' / 'done.json').write_text('{}')
+    with pytest.raises(SettingsChangedError, match=f'without {SETTINGS_FILE}'):
+        pipeline_main(['--output', str(out), '--methods', 'base'] + PIPE_TRAIN)
+    assert os.listdir(out) == ['seed0'] and os.listdir(out / 'seed0' / 'base') == ['done.json']
+
+    # finished f_T and search phases, made from files whose content then changed
+    argv = ['--output', str(tmp_path / 'g'), '--methods', 'guided_pm'] + PIPE_TRAIN
+    args = pipeline_parser().parse_args(argv)
+    seed = tmp_path / 'g' / 'seed0'
+    ft = make_checkpoint(seed / 'random_pm' / 'best.safetensors', seed=0)
+    write_settings(str(seed / 'random_pm' / SETTINGS_FILE), _phase_settings(args, 0))
+    (seed / 'random_pm' / 'done.json').write_text(
+        '{"method": "random_pm", "seed": 0, "final_top1": 1.0, "best_top1": 1.0, "epochs": 1, "output": "%s"}'
+        % (seed / 'random_pm'))
+    write_settings(str(seed / 'search' / SETTINGS_FILE), _phase_settings(args, 0, {'f_T': file_record(ft)}))
+    (seed / 'search' / 'done.json').write_text('{}')
+    old = file_record(ft)
+    make_checkpoint(ft, seed=1)  # f_T replaced after the search used it
+    before = snapshot(tmp_path / 'g')
+    msg = refused(lambda: pipeline_main(argv), ('f_T', f"{ft!r} (sha256 {old['sha256'][:12]})",
+                                                f"{ft!r} (sha256 {file_record(ft)['sha256'][:12]})"))
+    assert msg.startswith(f'cannot reuse {seed / "search"}')
+    assert snapshot(tmp_path / 'g') == before
+
+    # the search finished with this f_T; the guided model was trained on a table that has since changed
+    write_settings(str(seed / 'search' / SETTINGS_FILE), _phase_settings(args, 0, {'f_T': file_record(ft)}))
+    table = write_table(seed / 'search' / 'masks.json', seed=0)
+    write_settings(str(seed / 'guided_pm' / SETTINGS_FILE), _phase_settings(args, 0, {'table': file_record(table)}))
+    (seed / 'guided_pm' / 'done.json').write_text('{}')
+    old = file_record(table)
+    write_table(table, seed=1)
+    before = snapshot(tmp_path / 'g')
+    msg = refused(lambda: pipeline_main(argv), ('table', f"{table!r} (sha256 {old['sha256'][:12]})",
+                                                f"{table!r} (sha256 {file_record(table)['sha256'][:12]})"))
+    assert msg.startswith(f'cannot reuse {seed / "guided_pm"}')
+    assert snapshot(tmp_path / 'g') == before  # no guided samples drawn from the changed table either

@@ -1,0 +1,130 @@
+"""Argument types shared by the command lines (train.py, search.py, pipeline, hub, robustness, demo).
+
+Each one parses a single value or raises ``argparse.ArgumentTypeError`` with a message that names the value, so
+argparse prints ``usage: ...`` and ``error: argument --epochs: must be an integer >= 1, got '0'`` and exits with
+status 2 before any data or model is built::
+
+    p.add_argument('--epochs', type=positive_int)
+    p.add_argument('--smoothing', type=fraction)          # [0, 1)
+    p.add_argument('--resume', type=optional_file)        # '' (unset) or an existing file, never a folder
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Callable, Optional
+
+__all__ = ['int_range', 'float_range', 'positive_int', 'nonneg_int', 'positive_float', 'nonneg_float',
+           'probability', 'fraction', 'existing_file', 'optional_file', 'new_file', 'directory', 'optional_directory',
+           'file_or_name']
+
+
+def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
+    if lo is not None and hi is not None:
+        return f'{kind} in {"(" if lo_open else "["}{lo:g}, {hi:g}{")" if hi_open else "]"}'
+    if lo is not None:
+        return f'{kind} {">" if lo_open else ">="} {lo:g}'
+    if hi is not None:
+        return f'{kind} {"<" if hi_open else "<="} {hi:g}'
+    return kind
+
+
+def int_range(lo: Optional[int] = None, hi: Optional[int] = None, name: Optional[str] = None) -> Callable[[str], int]:
+    """An integer in [lo, hi] (either bound may be None)."""
+    want = _describe(lo, hi, False, False, 'an integer')
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}') from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}')
+        return value
+
+    parse.__name__ = name or f'int_range_{lo}_{hi}'
+    return parse
+
+
+def float_range(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False, hi_open: bool = False,
+                name: Optional[str] = None) -> Callable[[str], float]:
+    """A finite float in the interval from lo to hi (closed unless ``lo_open``/``hi_open``); NaN and inf are refused."""
+    want = _describe(lo, hi, lo_open, hi_open, 'a finite number')
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}') from None
+        if not math.isfinite(value) or (lo is not None and (value <= lo if lo_open else value < lo)) or \
+                (hi is not None and (value >= hi if hi_open else value > hi)):
+            raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}')
+        return value
+
+    parse.__name__ = name or f'float_range_{lo}_{hi}'
+    return parse
+
+
+positive_int = int_range(1, name='positive_int')                      # sizes, counts, epochs, grid cells
+nonneg_int = int_range(0, name='nonneg_int')                          # 0 with a meaning: no workers, never, ...
+positive_float = float_range(0.0, lo_open=True, name='positive_float')  # learning rates, Beta alphas
+nonneg_float = float_range(0.0, name='nonneg_float')                  # weights, decays, eps; 0 often means off
+probability = float_range(0.0, 1.0, name='probability')               # [0, 1]
+fraction = float_range(0.0, 1.0, hi_open=True, name='fraction')       # [0, 1): label smoothing, Adam betas
+
+
+# --- paths --------------------------------------------------------------------------------------------------------
+def existing_file(text: str) -> str:
+    """A file that exists; a folder or a missing path is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError('expects a file, got an empty path')
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f'expects a file, got the folder {text!r}')
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f'file {text!r} does not exist')
+    return text
+
+
+def optional_file(text: str) -> str:
+    """``''`` (the flag's "unset" default) or an existing file."""
+    return text if text == '' else existing_file(text)
+
+
+def new_file(text: str) -> str:
+    """A file to write (it may exist and is then replaced); a folder is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError('expects a file path, got an empty path')
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f'expects a file path, got the folder {text!r}')
+    return text
+
+
+def directory(text: str) -> str:
+    """A folder, existing or to be created; an existing file (or a path through one) is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError('expects a folder, got an empty path')
+    path = os.path.abspath(text)
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if os.path.exists(path) and not os.path.isdir(path):
+        what = 'the file' if path == os.path.abspath(text) else f'a path through the file {path!r}:'
+        raise argparse.ArgumentTypeError(f'expects a folder, got {what} {text!r}')
+    return text
+
+
+def optional_directory(text: str) -> str:
+    """``''`` (the flag's "unset" default) or a folder, as for :func:`directory`."""
+    return text if text == '' else directory(text)
+
+
+def file_or_name(text: str) -> str:
+    """A file or a name that is not a path (``hf-hub:<repo>``, a registered tag); an existing folder is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError('expects a file or a name, got an empty string')
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f'expects a file or a name, got the folder {text!r}')
+    return text

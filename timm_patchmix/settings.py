@@ -1,0 +1,102 @@
+"""Settings records: what a resumed or rerun step compares with the run that wrote its files.
+
+A training state, a search state and each phase of the pipeline record the settings they ran with. A resume or rerun
+with other settings raises :class:`SettingsChangedError`, naming each differing setting with its recorded and its
+new value, before anything is written; the command-line entry points turn it into exit status 2. Files given as
+settings (a mask table, a checkpoint) are compared by content, so a moved file with the same bytes still matches.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from .checkpoint import atomic_write_text
+
+__all__ = ['SettingsChangedError', 'file_record', 'differences', 'check_settings', 'read_settings',
+           'write_settings', 'USAGE_ERROR']
+
+USAGE_ERROR = 2  # exit status of a refused resume or rerun, as for other usage errors
+
+
+class SettingsChangedError(ValueError):
+    """A resume or rerun asks for other settings than those its existing files were made with."""
+
+
+def file_record(path: str) -> Dict[str, str]:
+    """A file as a setting: its path and the SHA-256 of its content (what comparisons use)."""
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            h.update(block)
+    return {'path': path, 'sha256': h.hexdigest()}
+
+
+def _is_file(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) == {'path', 'sha256'}
+
+
+def _normal(v: Any) -> Any:
+    """The value as compared: a file by its content, tuples as lists (as they come back from JSON)."""
+    if _is_file(v):
+        return v['sha256']
+    if isinstance(v, (tuple, list)):
+        return [_normal(x) for x in v]
+    return v
+
+
+def _show(v: Any) -> str:
+    if _is_file(v):
+        return f"{v['path']!r} (sha256 {v['sha256'][:12]})"
+    if isinstance(v, tuple):
+        v = list(v)
+    return repr(v)
+
+
+def differences(recorded: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
+    """``'<setting>: <recorded> before, <now> now'`` for each setting present in both records that differs.
+
+    A setting that either record lacks (one written by an older version) is not compared."""
+    out = []
+    for key, new in now.items():
+        if key not in recorded:
+            continue
+        old = recorded[key]
+        if _normal(old) != _normal(new):
+            out.append(f'{key}: {_show(old)} before, {_show(new)} now')
+    return out
+
+
+def check_settings(recorded: Dict[str, Any], now: Dict[str, Any], what: str, remedy: str) -> None:
+    """Raise :class:`SettingsChangedError` listing every difference between ``recorded`` and ``now``.
+
+    ``what`` names the existing files (e.g. ``"cannot resume from out/state.safetensors: it was written"``),
+    ``remedy`` says what the user can do."""
+    if not isinstance(recorded, dict):
+        raise SettingsChangedError(f'{what} with a settings record that cannot be read ({type(recorded).__name__} '
+                                   f'instead of a mapping), so whether this run matches is unknown.\n{remedy}')
+    diff = differences(recorded, now)
+    if diff:
+        raise SettingsChangedError(f'{what} with other settings than this run:\n  ' + '\n  '.join(diff) +
+                                   f'\n{remedy}')
+
+
+def read_settings(path: str) -> Optional[Dict[str, Any]]:
+    """The settings recorded at ``path`` (JSON), or ``None`` when there is no record."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding='utf-8') as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SettingsChangedError(f'{path} cannot be read ({e}), so the settings its folder was made with are '
+                                   f'unknown; delete the folder to start it again') from None
+    if not isinstance(doc, dict):
+        raise SettingsChangedError(f'{path} is not a settings record; delete its folder to start it again')
+    return doc
+
+
+def write_settings(path: str, settings: Dict[str, Any]) -> None:
+    """Record ``settings`` at ``path`` as JSON, atomically."""
+    atomic_write_text(path, json.dumps(settings, indent=1, sort_keys=True) + '\n')

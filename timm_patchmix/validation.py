@@ -1,0 +1,217 @@
+"""Strict checks of the values the project reads from files: mask tables, checkpoint metadata, training and search
+states, Hub ``config.json``.
+
+A :class:`Fields` object checks the fields of one file and raises that file's error class (``MaskTableError``,
+``CheckpointError``...) with a message naming the file, the field and the bad value. Integers are ``int`` and never
+``bool``; numbers are ``int`` or ``float`` and never ``bool``. ``model_kwargs`` read from a file pass an allow-list
+of architectural arguments: a file can never ask for a download, another file or another pretrained cfg.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Optional, Type
+
+__all__ = ['Fields', 'is_int', 'is_number', 'MODEL_KWARGS', 'check_model_kwargs', 'check_weights_meta',
+           'check_hub_config']
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _show(v: Any, limit: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+class Fields:
+    """Checks for the fields of one file; each method returns the value it accepted."""
+
+    def __init__(self, where: str, error: Type[Exception] = ValueError):
+        self.where, self.error = where, error
+
+    def fail(self, field: str, what: str, value: Any):
+        raise self.error(f'{self.where}: {field} must be {what}, got {_show(value)}')
+
+    def int(self, value: Any, field: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+        """An integer in ``[lo, hi]`` (either bound optional)."""
+        if not is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+            rng = (f' in [{lo}, {hi}]' if lo is not None and hi is not None else f' >= {lo}' if lo is not None
+                   else f' <= {hi}' if hi is not None else '')
+            self.fail(field, f'an integer{rng}', value)
+        return value
+
+    def number(self, value: Any, field: str, lo: Optional[float] = None, hi: Optional[float] = None,
+               finite: bool = False) -> float:
+        """A number (NaN allowed unless ``finite`` or bounded), in ``[lo, hi]`` when given."""
+        ok = is_number(value)
+        if ok and (finite or lo is not None or hi is not None) and not math.isfinite(value):
+            ok = False
+        if ok and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            ok = False
+        if not ok:
+            rng = f' in [{lo}, {hi}]' if lo is not None and hi is not None else f' >= {lo}' if lo is not None else ''
+            self.fail(field, f'a {"finite " if finite else ""}number{rng}', value)
+        return value
+
+    def bool(self, value: Any, field: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(field, 'true or false', value)
+        return value
+
+    def str(self, value: Any, field: str, nonempty: bool = False) -> str:
+        if not isinstance(value, str) or (nonempty and not value):
+            self.fail(field, 'a non-empty string' if nonempty else 'a string', value)
+        return value
+
+    def dict(self, value: Any, field: str) -> dict:
+        if not isinstance(value, dict):
+            self.fail(field, 'an object (a dict)', value)
+        return value
+
+    def list(self, value: Any, field: str, length: Optional[int] = None) -> list:
+        if not isinstance(value, list):
+            self.fail(field, 'a list' if length is None else f'a list of {length}', value)
+        if length is not None and len(value) != length:
+            self.fail(field, f'a list of {length}', value)
+        return value
+
+    def str_list(self, value: Any, field: str, length: Optional[int] = None) -> list:
+        self.list(value, field)
+        if length is not None and len(value) != length:
+            self.fail(field, f'a list of {length} strings', value)
+        for k, v in enumerate(value):
+            self.str(v, f'{field}[{k}]')
+        return value
+
+    def number_list(self, value: Any, field: str) -> list:
+        self.list(value, field)
+        for k, v in enumerate(value):
+            self.number(v, f'{field}[{k}]', finite=True)
+        return value
+
+    def grid(self, value: Any, field: str) -> list:
+        """``[rows, cols]``, positive integers."""
+        if not isinstance(value, list) or len(value) != 2 or not all(is_int(v) and v >= 1 for v in value):
+            self.fail(field, '[rows, cols] with positive integers', value)
+        return value
+
+    def input_size(self, value: Any, field: str) -> list:
+        """``[channels, height, width]``, positive integers."""
+        if not isinstance(value, list) or len(value) != 3 or not all(is_int(v) and v >= 1 for v in value):
+            self.fail(field, '[channels, height, width] with positive integers', value)
+        return value
+
+
+# --- model_kwargs from a file: architectural arguments only -----------------------------------------------------
+def _size_arg(f: Fields, v: Any, field: str) -> None:
+    """A positive integer or a pair of them (a grid, an image or patch size)."""
+    if is_int(v):
+        f.int(v, field, lo=1)
+    else:
+        f.grid(v, field)
+
+
+def _rate(f: Fields, v: Any, field: str) -> None:
+    f.number(v, field, lo=0.0, hi=1.0)
+
+
+# what train.py writes (grid, per_position, in_chans, drop rates, --model-kwargs of architecture) and what timm's
+# backbones take for their shape; nothing that names weights, a pretrained cfg, a file or a download
+MODEL_KWARGS: Dict[str, Callable[[Fields, Any, str], None]] = {
+    'grid': _size_arg,
+    'per_position': lambda f, v, k: f.bool(v, k),
+    'in_chans': lambda f, v, k: f.int(v, k, lo=1),
+    'drop_rate': _rate, 'drop_path_rate': _rate, 'drop_block_rate': _rate, 'proj_drop_rate': _rate,
+    'attn_drop_rate': _rate, 'pos_drop_rate': _rate, 'patch_drop_rate': _rate,
+    'output_stride': lambda f, v, k: f.int(v, k, lo=1),
+    'img_size': _size_arg,
+    'patch_size': _size_arg,
+    'global_pool': lambda f, v, k: f.str(v, k),
+    'dynamic_img_size': lambda f, v, k: f.bool(v, k),
+    'dynamic_img_pad': lambda f, v, k: f.bool(v, k),
+    'class_token': lambda f, v, k: f.bool(v, k),
+    'reg_tokens': lambda f, v, k: f.int(v, k, lo=0),
+}
+
+
+def check_model_kwargs(value: Any, f: Fields, field: str = 'model_kwargs') -> Dict[str, Any]:
+    """``value`` (None or a dict) against :data:`MODEL_KWARGS`; returns it as a dict."""
+    if value is None:
+        return {}
+    f.dict(value, field)
+    for k, v in value.items():
+        if k not in MODEL_KWARGS:
+            raise f.error(f'{f.where}: {field} holds {k!r}, which a file may not set (only the architectural '
+                          f'arguments {", ".join(sorted(MODEL_KWARGS))}); got {k}={_show(v)}')
+        MODEL_KWARGS[k](f, v, f'{field}.{k}')
+    return value
+
+
+# --- checkpoint metadata ----------------------------------------------------------------------------------------
+def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
+    """The metadata ``train.py`` (and ``hub backbone``) write beside weights: every field present is checked."""
+    if meta.get('model') is not None:
+        f.str(meta['model'], 'model', nonempty=True)
+    n = meta.get('num_classes')
+    if n is not None:
+        f.int(n, 'num_classes', lo=1)
+    if 'model_kwargs' in meta:
+        check_model_kwargs(meta['model_kwargs'], f)
+    if meta.get('class_names') is not None:
+        f.str_list(meta['class_names'], 'class_names', n)
+    if meta.get('epoch') is not None:
+        f.int(meta['epoch'], 'epoch', lo=0)
+    for key in ('metrics', 'patchmix', 'data'):
+        if meta.get(key) is not None:
+            f.dict(meta[key], key)
+    data = meta.get('data') or {}
+    for key in ('dataset', 'data_dir', 'val_split', 'interpolation'):
+        if data.get(key) is not None:
+            f.str(data[key], f'data.{key}')
+    if data.get('input_size') is not None:
+        f.input_size(data['input_size'], 'data.input_size')
+    for key in ('mean', 'std'):
+        if data.get(key) is not None:
+            f.number_list(data[key], f'data.{key}')
+            if not data[key]:
+                f.fail(f'data.{key}', 'a non-empty list of numbers', data[key])
+    if data.get('std') and any(v <= 0 for v in data['std']):
+        f.fail('data.std', 'positive numbers', data['std'])
+    if data.get('crop_pct') is not None:
+        f.number(data['crop_pct'], 'data.crop_pct', lo=0.0)
+    pm = meta.get('patchmix') or {}
+    if pm.get('enabled') is not None:
+        f.bool(pm['enabled'], 'patchmix.enabled')
+    if pm.get('grid') is not None:
+        f.grid(pm['grid'], 'patchmix.grid')
+    if pm.get('table') is not None:
+        f.str(pm['table'], 'patchmix.table', nonempty=True)
+    if meta.get('command') is not None:
+        f.str(meta['command'], 'command')
+    return meta
+
+
+# --- Hub config.json --------------------------------------------------------------------------------------------
+def check_hub_config(cfg: Dict[str, Any], f: Fields) -> Dict[str, Any]:
+    """A timm ``config.json`` of a Hub folder: architecture, num_classes, label_names, model_args, pretrained_cfg."""
+    f.str(cfg.get('architecture'), 'architecture', nonempty=True)
+    n = cfg.get('num_classes')
+    if n is not None:
+        f.int(n, 'num_classes', lo=1)
+    if cfg.get('label_names') is not None:
+        f.str_list(cfg['label_names'], 'label_names', n)
+    if 'model_args' in cfg:
+        check_model_kwargs(cfg['model_args'], f, 'model_args')
+    pcfg = cfg.get('pretrained_cfg')
+    if pcfg is not None:
+        f.dict(pcfg, 'pretrained_cfg')
+        if pcfg.get('num_classes') is not None:
+            f.int(pcfg['num_classes'], 'pretrained_cfg.num_classes', lo=1)
+        if pcfg.get('input_size') is not None:
+            f.input_size(pcfg['input_size'], 'pretrained_cfg.input_size')
+    return cfg
