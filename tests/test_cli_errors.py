@@ -199,9 +199,11 @@ TINY = ['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--
 
 
 @pytest.mark.parametrize('extra, names', [
-    (['--model-kwargs', 'not_a_kwarg=3'], ['argument --model-kwargs', 'not_a_kwarg=3', 'resnet32_cifar']),
-    (['--model', 'patchhead_resnet32_cifar', '--model-kwargs', 'not_a_kwarg=3'],
-     ['argument --model-kwargs', 'not_a_kwarg', 'patchhead_resnet32_cifar']),
+    (['--model-kwargs', 'patch_size=4'], ['argument --model-kwargs', 'patch_size=4', 'resnet32_cifar']),
+    (['--model', 'patchhead_resnet32_cifar', '--model-kwargs', 'patch_size=4'],
+     ['argument --model-kwargs', 'patch_size', 'patchhead_resnet32_cifar']),
+    (['--model-kwargs', 'not_a_kwarg=3'], ['argument --model-kwargs', 'not_a_kwarg', 'cannot be recorded']),
+    (['--model-kwargs', 'pretrained_cfg_overlay=3'], ['argument --model-kwargs', 'pretrained_cfg_overlay']),
     (['--model-kwargs', 'num_classes=3'], ['argument --model-kwargs', 'num_classes', '--num-classes']),
 ])
 def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):

@@ -106,3 +106,28 @@ def test_table_validation_against_the_run(tmp_path):
     open(path, 'w').write('{"schema_version": 1,')
     with pytest.raises(SystemExit, match='not valid JSON'):
         train_main(common + ['--patchmix-table', path, '--experiment', 'bad3'])
+
+
+def test_guided_bad_labels_and_memory_size_raise_value_errors():
+    table = random_table(10, 5)
+    mixer = GuidedPatchMix(table)
+    x = torch.rand(3, 3, 8, 8)
+    with pytest.raises(ValueError, match=r'labels must lie in \[0, 10\).*max 10'):
+        mixer(x, torch.tensor([0, 1, 10]))
+    with pytest.raises(ValueError, match=r'labels must lie in \[0, 10\).*min -1'):
+        mixer(x, torch.tensor([-1, 1, 2]))
+    with pytest.raises(ValueError, match='integer class indices, got dtype torch.float32'):
+        mixer(x, torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match='does not fit'):
+        mixer(torch.rand(3, 3, 2, 8), torch.tensor([0, 1, 2]))
+    for size in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match='memory_size must be a positive int'):
+            GuidedPatchMix(table, memory_size=size)
+    collate = FastCollateGuidedPatchMix(table)
+    imgs = np.zeros((3, 8, 8), np.uint8)
+    with pytest.raises(ValueError, match='integer class indices'):
+        collate([(imgs, 0.0), (imgs, 1.0)])
+    with pytest.raises(ValueError, match='labels must lie'):
+        collate([(imgs, 0), (imgs, 12)])
+    # nothing was half-done: the memory saw no image from the refused batches
+    assert int(mixer.memory.count.sum()) == 0 and int(collate.guided.memory.count.sum()) == 0

@@ -327,3 +327,22 @@ def test_select_path_equals_cell_path(b, h, w, rows, cols, seed, dtype, channels
     a = mix_cells_(x.clone(), far, mask, src)
     s = mix_select_(x.clone(), far, mask, src)
     assert torch.equal(a, s) and torch.equal(a, reference_mix(src, torch.cat([far, far]), torch.cat([mask, mask]))[0][:b])
+
+
+@pytest.mark.parametrize('dtype, bits', [(torch.float32, torch.int32), (torch.float64, torch.int64),
+                                         (torch.float16, torch.int16), (torch.bfloat16, torch.int16)])
+@pytest.mark.parametrize('offset', [0, 1, 2])
+def test_mixing_is_bitwise_for_every_float_pattern(dtype, bits, offset):
+    """Rows are moved as wide words (up to 16 bytes): NaN payloads (signalling too), -0.0, infinities and
+    subnormals must come out bit for bit, aligned or not."""
+    g = torch.Generator().manual_seed(offset)
+    n = 6 * 3 * 16 * (32 + offset)
+    info = torch.iinfo(bits)
+    raw = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(bits)
+    x = raw.view(dtype).view(6, 3, 16, 32 + offset)[..., offset:]  # offset columns: unaligned starts
+    assert torch.isnan(x).any(), 'the random bit patterns include NaNs'
+    mixer = PatchMix(num_classes=2)
+    params = mixer.sample(6, generator=g)
+    expect = reference_mix(x.view(bits).clone(), params.partner, params.mask)[0]
+    out, _ = mixer.apply(x, torch.zeros(6, dtype=torch.long), params)
+    assert torch.equal(out.view(bits), expect)

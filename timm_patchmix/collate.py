@@ -63,7 +63,9 @@ class FastCollatePatchMix(FastCollateMixup):
         shape = tuple(getattr(first, 'shape', ()))
         if len(shape) != 3:
             raise ValueError(f'collate expects CHW images, got an image of shape {list(shape)}')
-        out = torch.empty((len(batch), *shape), dtype=torch.uint8)
+        # a new array on every call; numpy asks the kernel for transparent huge pages for large arrays, which makes
+        # the first touch of a fresh batch several times cheaper than 4 KiB pages (torch.empty's)
+        out = torch.from_numpy(np.empty((len(batch), *shape), dtype=np.uint8))
         for i, (img, _) in enumerate(batch):
             t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
             if not isinstance(t, torch.Tensor):

@@ -162,29 +162,40 @@ def _random_cycle(n: int, generator: Optional[torch.Generator], device) -> torch
     return partner
 
 
-def _wide_view(t: torch.Tensor, col_bounds: Tuple[int, ...]):
-    """Reinterpret rows of ``t`` as 8-, 4- or 2-byte words when every cell edge allows it; copies are bitwise,
-    and wider words mean fewer elements for the strided copy kernels to walk."""
-    if t.stride(3) != 1:
-        return t, col_bounds
+# word sizes for bitwise copies, widest first; complex128 serves as a 16-byte word (copies do no arithmetic on it)
+_WORDS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _word_size(t: torch.Tensor, col_bounds: Tuple[int, ...]) -> int:
+    """The widest word that every row segment of ``t`` between ``col_bounds`` starts on and spans whole (address
+    included), or ``t``'s element size."""
     item = t.element_size()
-    for word, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+    if t.stride(3) != 1:
+        return item
+    for word, _ in _WORDS:
         if word <= item:
             break
-        if (all((b * item) % word == 0 for b in col_bounds) and (t.stride(0) * item) % word == 0
-                and (t.stride(1) * item) % word == 0 and (t.stride(2) * item) % word == 0
-                and (t.storage_offset() * item) % word == 0):
-            return t.view(dt), tuple(b * item // word for b in col_bounds)
-    return t, col_bounds
+        if (all((b * item) % word == 0 for b in col_bounds)
+                and all((t.stride(d) * item) % word == 0 for d in range(3))
+                and (t.storage_offset() * item) % word == 0 and t.data_ptr() % word == 0):
+            return word
+    return item
+
+
+def _as_words(t: torch.Tensor, col_bounds: Tuple[int, ...], word: int):
+    item = t.element_size()
+    if word == item:
+        return t, col_bounds
+    return t.view(dict(_WORDS)[word]), tuple(b * item // word for b in col_bounds)
 
 
 def _same_words(a: torch.Tensor, b: torch.Tensor, col_bounds: Tuple[int, ...]):
-    """Word views of ``a`` and ``b`` with one set of column bounds, or the plain tensors when they disagree."""
-    av, acb = _wide_view(a, col_bounds)
-    bv, bcb = _wide_view(b, col_bounds)
-    if acb != bcb:
-        return a, b, col_bounds
-    return av, bv, acb
+    """Views of ``a`` and ``b`` (same dtype) as the widest word both allow, with the column bounds in words.
+    Copies between them are bitwise, and wider words mean fewer elements for the strided copy kernels to walk."""
+    word = min(_word_size(a, col_bounds), _word_size(b, col_bounds))
+    av, wcb = _as_words(a, col_bounds, word)
+    bv, _ = _as_words(b, col_bounds, word)
+    return av, bv, wcb
 
 
 def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,

@@ -262,6 +262,11 @@ def model_arch(model: str) -> str:
 def build_model(args, num_classes: int):
     import timm
     from .models import PatchHeadModel
+    from .validation import MODEL_KWARGS
+    unknown = sorted(set(args.model_kwargs) - set(MODEL_KWARGS))
+    if unknown:  # the checkpoint records them, and loading refuses what is outside the allow-list
+        build_parser().error(f'argument --model-kwargs: {", ".join(unknown)} cannot be recorded in a checkpoint '
+                             f'(the architectural arguments it may hold are {", ".join(sorted(MODEL_KWARGS))})')
     kwargs = dict(args.model_kwargs)
     from_source = args.model.startswith(SOURCES)
     if args.arch.startswith('patchhead_') and (args.grid_explicit or not from_source):
