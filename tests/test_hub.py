@@ -155,9 +155,28 @@ def test_registered_tags():
         cfg = timm.models.get_pretrained_cfg(full)
         assert cfg.hf_hub_id == f'{HUB_NAMESPACE}/{full}' and cfg.num_classes == 1000
         assert tuple(cfg.classifier) == ('backbone.fc', 'patch_head.fc')
-    # a backbone tag still means the backbone's own timm weights under a fresh patch head
     m = timm.create_model('patchhead_resnet32_cifar', num_classes=4)
     assert m.pretrained_cfg['architecture'] == 'patchhead_resnet32_cifar'
+
+
+def test_backbone_tag_loads_the_backbones_timm_weights_under_a_fresh_patch_head(tmp_path):
+    """A tag that is not a patchhead tag names the backbone's own timm weights: its hub id, and on loading the
+    backbone gets exactly those weights (served here from a local file) while both heads start fresh."""
+    from safetensors.torch import save_file
+    for tag in ('a1_in1k', 'tv_in1k'):
+        m = timm.create_model(f'patchhead_resnet18.{tag}', num_classes=4)
+        assert m.pretrained_cfg['hf_hub_id'] == f'timm/resnet18.{tag}' and m.pretrained_cfg['tag'] == tag
+        assert tuple(m.pretrained_cfg['classifier']) == ('backbone.fc', 'patch_head.fc')
+    src = timm.create_model('resnet18', num_classes=1000)
+    path = str(tmp_path / 'resnet18.safetensors')
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path)
+    torch.manual_seed(0)
+    m = timm.create_model('patchhead_resnet18.tv_in1k', pretrained=True, num_classes=4,
+                          pretrained_cfg_overlay=dict(file=path))
+    got = m.backbone.state_dict()
+    body = [k for k in src.state_dict() if not k.startswith('fc.')]
+    assert body and all(torch.equal(got[k], src.state_dict()[k]) for k in body)
+    assert m.backbone.fc.out_features == 4 and m.patch_head.fc.out_features == 4
 
 
 @pytest.mark.parametrize('name', sorted(n for n in PATCHHEAD_PRETRAINED if not n.endswith('_in1k')))
