@@ -34,9 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-from timm_patchmix.search.fitness import GeneScorer  # noqa: E402
-from timm_patchmix.search.genome import PairSpace  # noqa: E402
-from timm_patchmix.search.loop import Search, build_parser  # noqa: E402
+from timm_patchmix.search import Evolution, GeneScorer, PairSpace, Search, SearchConfig  # noqa: E402
 
 
 def save(path, doc):
@@ -45,14 +43,13 @@ def save(path, doc):
         print(f'saved {path}')
 
 
-def run_search(checkpoint, population, generations, k, out, extra=()):
-    args = build_parser().parse_args(['--checkpoint', checkpoint, '--output', out, '--population', str(population),
-                                      '--generations', str(generations), '--k', str(k), '--patience', '0',
-                                      '--no-progress', '--no-plots', *extra])
-    os.makedirs(out, exist_ok=True)
-    s = Search(args)
+def run_search(checkpoint, population, generations, k, out, **extra):
+    """A search as search.py runs it (state checkpointed every generation), timed; plots and table left out."""
+    cfg = SearchConfig(checkpoint=checkpoint, output=out, population=population, generations=generations, k=k,
+                       patience=0, progress=False, plots=False, **extra)
+    s = Search.from_checkpoint(cfg)
     t0 = time.perf_counter()
-    s.run()
+    s.run(on_generation=lambda search, row: search.save_state())
     return s, time.perf_counter() - t0
 
 
@@ -77,12 +74,11 @@ def memo(a):
 
 
 class StandInScorer(GeneScorer):
-    """The model replaced by a hash of the gene; it keeps GeneScorer's cache and bookkeeping."""
+    """GeneScorer's cache and bookkeeping with the model replaced by a hash of the gene (no model, no images)."""
 
-    def __init__(self, grid, k=16):
-        self.grid, self.k = grid, k
-        self.cache, self.forward_images = {}, 0
-        self.bits = 1 << (grid[0] * grid[1])
+    def __init__(self, space, grid, k=16):
+        no_pairs = np.zeros((len(space), k), dtype=np.int64)
+        super().__init__(None, torch.empty(0, 3, 32, 32), space.pairs, no_pairs, no_pairs, grid)
         self.score_seconds = 0.0
 
     def score_genes(self, pair, mask):
@@ -96,37 +92,23 @@ class StandInScorer(GeneScorer):
 
 
 def bookkeeping(a):
-    args = build_parser().parse_args(['--checkpoint', '-', '--population', str(a.population), '--generations',
-                                      str(a.generations), '--patience', '0', '--no-progress', '--no-plots'])
+    space = PairSpace(a.classes)
+    stand_in = StandInScorer(space, (4, 4))
+    s = Search(space, (4, 4), stand_in, Evolution(population=a.population, generations=a.generations, patience=0))
+    per_gen, ckpt = [], []
+    last = {'score_s': 0.0, 'end': 0.0}
     with tempfile.TemporaryDirectory() as out:
-        args.output = out
-        s = Search.__new__(Search)
-        s.args, s.rank = args, 0
-        s.num_classes, s.grid = a.classes, (4, 4)
-        s.space = PairSpace(a.classes)
-        s.n_active = a.classes
-        s.class_names = [str(i) for i in range(a.classes)]
-        s.fingerprint = 'bench'
-        stand_in = StandInScorer(s.grid)
-        s._init_ga(stand_in)
-        per_gen, ckpt = [], []
-        save_state = s.save_state
-
-        def timed_save():
+        def after(search, row):
+            # the generation's time (since the last callback) less the stand-in's: selection, variation, cloning,
+            # cache work, aggregation
             t0 = time.perf_counter()
-            save_state()
+            per_gen.append(t0 - last['end'] - (stand_in.score_seconds - last['score_s']))
+            last['score_s'] = stand_in.score_seconds
+            search.save_state(os.path.join(out, Search.STATE_FILE))
             ckpt.append(time.perf_counter() - t0)
-        s.save_state = timed_save
-        last = [0.0]
-
-        orig_record = s._record
-
-        def record(evals, n_invalid, t_gen):
-            per_gen.append(t_gen - (stand_in.score_seconds - last[0]))
-            last[0] = stand_in.score_seconds
-            return orig_record(evals, n_invalid, t_gen)
-        s._record = record
-        s.run()
+            last['end'] = time.perf_counter()
+        last['end'] = time.perf_counter()
+        s.run(on_generation=after)
     gens = per_gen[1:]  # generation 0 is the initial population
     doc = {'classes': a.classes, 'pairs': len(s.space), 'n_active': s.n_active, 'population': a.population,
            'generations': len(gens), 'median_bookkeeping_s': statistics.median(gens), 'bookkeeping_s': gens,
@@ -139,11 +121,10 @@ def bookkeeping(a):
 
 def paper(a):
     with tempfile.TemporaryDirectory() as out:
-        extra = ['--eval-batch-size', str(a.eval_batch_size)] + (['--device', a.device] if a.device else [])
-        extra += (['--amp'] if a.amp else []) + (['--channels-last'] if a.channels_last else [])
-        s, wall = run_search(a.checkpoint, a.population, a.generations, 16, out, extra)
+        s, wall = run_search(a.checkpoint, a.population, a.generations, 16, out, eval_batch_size=a.eval_batch_size,
+                             device=a.device, amp=a.amp, channels_last=a.channels_last)
     rows = s.logbook
-    dev = s.device
+    dev = s.scorer.images.device
     device = torch.cuda.get_device_name(dev) if dev.type == 'cuda' else f'cpu ({torch.get_num_threads()} threads)'
     doc = {'population': a.population, 'k': 16, 'generations_run': len(rows) - 1, 'wall_s': wall, 'device': device,
            'amp': a.amp, 'channels_last': a.channels_last, 'eval_batch_size': a.eval_batch_size,

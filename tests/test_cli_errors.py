@@ -101,7 +101,7 @@ def test_out_of_range_numbers_exit_2_naming_flag_and_value(capsys, paths, cli, a
     ('demo', ['--grid', '40'], ['--grid', '40x40', '32x32']),
     ('train', ['--opt', 'no_such_opt'], ['argument --opt', "'no_such_opt'"]),
     ('train', ['--sched', 'no_such_sched'], ['argument --sched', "'no_such_sched'"]),
-    ('train', ['--clip-mode', 'agc'], ['argument --clip-mode', "'agc'"]),
+    ('train', ['--clip-mode', 'no_such_mode'], ['argument --clip-mode', "'no_such_mode'"]),
 ])
 def test_flag_combinations_exit_2(capsys, paths, cli, argv, names):
     fn, base = _cli(cli, paths[0])
@@ -119,7 +119,7 @@ def test_guided_and_random_prob_must_share_one_batch(capsys, paths):
     ['--patch-loss-weight', '0'], ['--clip-grad', '0'], ['--mixup-off-epoch', '0'], ['--guided-prob', '1'],
     ['--random-prob', '0'], ['--lr', '1e-6'], ['--cutmix-minmax', '0.2', '0.8'], ['--patchmix-grid', '2', '4'],
     ['--fgsm', '0', '0.3'], ['--drop-path', '0'], ['--seed', '-1'], ['--opt', 'adamw'], ['--opt', 'lookahead_sgd'],
-    ['--sched', 'step'], ['--clip-mode', 'value'],
+    ['--sched', 'step'], ['--clip-mode', 'value'], ['--clip-mode', 'agc', '--clip-grad', '0.01'],
 ])
 def test_meaningful_values_stay_valid(argv):
     train.resolve_args(argv)

@@ -20,7 +20,7 @@ from timm_patchmix.checkpoint import CheckpointError, atomic_write_text, load_st
 from timm_patchmix.data import PATCHSHAPES_CLASSES
 from timm_patchmix.guided import MaskTable, MaskTableError, dataset_fingerprint
 from timm_patchmix.search.genome import Individual, grid_to_bits
-from timm_patchmix.search.loop import Search, build_parser, main as search_main
+from timm_patchmix.search import Search, main as search_main, parse_config
 from timm_patchmix.train import main as train_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -458,11 +458,11 @@ def wide_search(tmp_path_factory):
     data = image_folder(str(tmp / 'data'), 24)
     ck = make_checkpoint(str(tmp / 'ft.safetensors'), grid=(7, 8), num_classes=24, class_names=names,
                          data=dict(DATA, data_dir=data))
-    args = build_parser().parse_args(['--checkpoint', ck, '--output', str(tmp / 'out'), '--population', '4',
-                                      '--generations', '2', '--k', '1', '--no-progress', '--no-plots',
-                                      '--same-class-pairs', '--device', 'cpu', '--seed', '2'])
-    os.makedirs(args.output)
-    search = Search(args)
+    cfg = parse_config(['--checkpoint', ck, '--output', str(tmp / 'out'), '--population', '4',
+                        '--generations', '2', '--k', '1', '--no-progress', '--no-plots',
+                        '--same-class-pairs', '--device', 'cpu', '--seed', '2'])
+    os.makedirs(cfg.output)
+    search = Search.from_checkpoint(cfg)
     search.run()
     return search
 
@@ -481,7 +481,7 @@ def _check_hof(s, forced):
     a = copy.deepcopy(s.hof[0])
     b = copy.deepcopy(a)
     b.masks[forced[0]] ^= 1  # only the first same-class pair's mask differs
-    better = min if s.args.fitness == 'min' else max
+    better = min if s.evolution.fitness == 'min' else max
     a.fitness.values = (0.5,)
     b.fitness.values = (better(0.4, 0.6),)
     s.hof.clear()

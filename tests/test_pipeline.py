@@ -7,13 +7,31 @@ import sys
 import timm_patchmix  # noqa: F401
 from timm_patchmix.guided import MaskTable
 from timm_patchmix.pipeline import main as pipeline_main
-from timm_patchmix.search.loop import KILL_ENV as KILL_AT_GEN
-from timm_patchmix.train import KILL_ENV as KILL_AT_STEP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
+KILL_TRAIN = os.path.join(ROOT, 'tests', 'kill_after_steps.py')  # the pipeline, SIGKILLed by a training on_step
 
 TINY_TRAIN = ['--train-args', '--train-subset', '64', '--val-subset', '40', '-b', '16', '--epochs', '1']
+
+# the pipeline's command line, its search SIGKILLed right after the state of generation argv[1] is saved: the
+# search's own per-generation callback, wrapped here (the production loop has no kill hook)
+KILL_SEARCH = """
+import os, signal, sys
+from timm_patchmix import pipeline
+from timm_patchmix.search import Search
+at, run = int(sys.argv[1]), Search.run
+
+def run_then_kill(self, generations=None, on_generation=None):
+    def after(search, row):
+        if on_generation is not None:
+            on_generation(search, row)
+        if row['gen'] >= at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return run(self, generations, after)
+Search.run = run_then_kill
+sys.exit(pipeline.cli(sys.argv[2:]))
+"""
 
 
 def test_pipeline_runs_phases_and_skips_finished_ones(tmp_path):
@@ -28,6 +46,19 @@ def test_pipeline_runs_phases_and_skips_finished_ones(tmp_path):
     assert len(table.pairs) == 10
     guided_meta = json.load(open(os.path.join(out, 'seed0', 'guided_pm', 'done.json')))
     assert guided_meta['epochs'] == 1
+    # the report states its budget and versions, and says that one seed at the smoke budget cannot rank methods
+    assert rep['budget_detail'] == {'budget': 'smoke', 'train_images': 64, 'val_images': 40, 'epochs': 1,
+                                    'recipe': 'paper-cifar', 'search': {'population': 24, 'generations': 6, 'k': 4}}
+    assert '64 training images' in text and '40 validation images' in text and '1 epoch (' in text
+    assert 'population 24, 6 generations, K = 4' in text
+    assert 'too small to rank' in text and not rep['ranking']['can_rank'] and len(rep['ranking']['reasons']) == 2
+    assert '±' not in text  # one seed: single numbers
+    import timm
+    import torch
+    assert rep['versions'] == {'timm_patchmix': timm_patchmix.__version__, 'torch': torch.__version__,
+                               'timm': timm.__version__}
+    assert f'torch {torch.__version__}' in text
+    assert rep['wall_time_s'] > 0 and 'wall' not in text  # the wall time goes to report.json only
     # a rerun finds every phase done and only rewrites the report
     stamp = os.path.getmtime(os.path.join(out, 'seed0', 'guided_pm', 'last.safetensors'))
     again = pipeline_main(['--output', out, '--methods', 'base', 'random_pm', 'guided_pm'] + TINY_TRAIN)
@@ -40,20 +71,23 @@ def test_killed_pipeline_resumes_to_the_same_report(tmp_path):
     resumes where it stopped, and the final report and table equal an uninterrupted run's byte for byte."""
     args = ['--methods', 'base', 'random_pm', 'guided_pm'] + TINY_TRAIN + ['--epochs', '2', '-j', '0']
 
-    def run(out, **env):
-        return subprocess.run([sys.executable, '-m', 'timm_patchmix.pipeline', '--output', str(out)] + args,
+    def run(out, kill_search_at=None, kill_train_at=None, **env):
+        cmd = ['-m', 'timm_patchmix.pipeline'] if kill_search_at is None else ['-c', KILL_SEARCH, str(kill_search_at)]
+        if kill_train_at is not None:
+            cmd = [KILL_TRAIN, str(kill_train_at), 'pipeline']
+        return subprocess.run([sys.executable] + cmd + ['--output', str(out)] + args,
                               cwd=ROOT, capture_output=True, text=True, timeout=900,
                               env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1', **env))
 
     ref = run(tmp_path / 'ref')
     assert ref.returncode == 0, ref.stderr[-2000:]
     out = tmp_path / 'killed'
-    first = run(out, **{KILL_AT_STEP: '6'})            # 4 steps an epoch: dies inside the base model's 2nd epoch
+    first = run(out, kill_train_at=6)                  # 4 steps an epoch: dies inside the base model's 2nd epoch
     assert first.returncode == -9
     assert (out / 'seed0' / 'base' / 'state.safetensors').exists()   # epoch 0's state, to resume from
     assert (out / 'seed0' / 'base' / 'summary.csv').read_text().count('\n') == 2  # header + epoch 0
     assert not (out / 'seed0' / 'base' / 'done.json').exists()
-    second = run(out, **{KILL_AT_GEN: '2'})            # base resumes, f_T trains, the search dies at gen 2
+    second = run(out, kill_search_at=2)                # base resumes, f_T trains, the search dies at gen 2
     assert second.returncode == -9
     assert (out / 'seed0' / 'base' / 'done.json').exists() and (out / 'seed0' / 'random_pm' / 'done.json').exists()
     assert (out / 'seed0' / 'search' / 'search_state.safetensors').exists()
@@ -65,3 +99,26 @@ def test_killed_pipeline_resumes_to_the_same_report(tmp_path):
     for t in tables:  # the f_T path names each run's own folder: the only difference allowed
         assert t['search_args'].pop('checkpoint').startswith(str(tmp_path))
     assert tables[0] == tables[1]
+
+
+def _fake_runs(values):
+    return [{'method': m, 'seed': i, 'final_top1': v, 'best_top1': v, 'epochs': 8}
+            for m, vs in values.items() for i, v in enumerate(vs)]
+
+
+def test_report_says_when_the_spread_exceeds_the_gaps(tmp_path):
+    """With three seeds at the small budget, methods far apart can be ranked; two methods closer than their spread
+    across seeds are named, and the report says the budget is too small to rank them."""
+    import argparse
+    from timm_patchmix.pipeline import report
+    args = argparse.Namespace(dataset='', model='resnet32_cifar', budget='small', seeds=[0, 1, 2],
+                              methods=['base', 'random_pm'], output=str(tmp_path), train_args=[])
+    apart = report(args, _fake_runs({'base': [70.0, 71.0, 72.0], 'random_pm': [80.0, 81.0, 82.0]}), wall_time_s=3.0)
+    rep = json.load(open(tmp_path / 'report.json'))
+    assert rep['ranking']['can_rank'] and 'too small' not in apart and '81.00 ± 1.00' in apart
+    assert 'the whole training split' in apart and 'population' not in apart  # no guided_pm, no search
+    assert rep['wall_time_s'] == 3.0
+    close = report(args, _fake_runs({'base': [70.0, 75.0, 80.0], 'random_pm': [71.0, 76.0, 81.0]}))
+    rep = json.load(open(tmp_path / 'report.json'))
+    assert not rep['ranking']['can_rank'] and rep['ranking']['close_pairs'][0]['methods'] == ['random_pm', 'base']
+    assert 'too small to rank' in close and 'random_pm and base (gap 1.00, std 5.00)' in close

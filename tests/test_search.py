@@ -1,6 +1,9 @@
-"""The evolutionary search: operators, exact memoised fitness, resume, DDP equality, errors, the mask table."""
+"""The evolutionary search: operators, exact memoised fitness, the core loop built in memory, the config and result
+of search(), resume, DDP equality, errors, the mask table."""
+import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -13,9 +16,13 @@ from hypothesis import given, settings, strategies as st
 import timm_patchmix  # noqa: F401
 from timm_patchmix.checkpoint import save_weights
 from timm_patchmix.data import PATCHSHAPES_CLASSES
-from timm_patchmix.guided import MaskTable, MaskTableError, dataset_fingerprint
+from timm_patchmix.grid import bits_to_mask, mask_to_bits
+from timm_patchmix.table import MaskTable, MaskTableError, dataset_fingerprint
+from timm_patchmix.search import (Evolution, GeneScorer, Search, SearchConfig, SearchError, SearchResult,
+                                  build_parser, draw_image_pairs, parse_config, search)
+from timm_patchmix.search import main as search_main
 from timm_patchmix.search.genome import MaskOps, Operators, PairSpace, bits_to_grid, fitness_class, grid_to_bits
-from timm_patchmix.search.loop import KILL_ENV, Search, build_parser, main as search_main
+from timm_patchmix.settings import SettingsChangedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
@@ -84,35 +91,183 @@ def test_operators_keep_invariants(classes, seed, same, steps):
 
 # --- fitness ---------------------------------------------------------------------------------------------------
 def test_memoised_fitness_equals_direct_evaluation(ckpt, tmp_path):
-    args = build_parser().parse_args(['--checkpoint', ckpt, '--output', str(tmp_path)] + SMALL)
-    search = Search(args)
-    table = search.run()
-    assert search.scorer.forward_images < sum(r['gene_lookups'] for r in search.logbook) * args.k
-    for ind in search.population + list(search.hof):
-        assert search.evaluate_direct(ind) == ind.fitness.values[0]
+    cfg = parse_config(['--checkpoint', ckpt, '--output', str(tmp_path / 'out')] + SMALL)
+    s = Search.from_checkpoint(cfg)
+    table = s.run()
+    assert not (tmp_path / 'out').exists(), 'the core loop writes nothing'
+    assert s.scorer.forward_images < sum(r['gene_lookups'] for r in s.logbook) * cfg.k
+    for ind in s.population + list(s.hof):
+        assert s.evaluate_direct(ind) == ind.fitness.values[0]
     # the table's scores are the cached gene scores of the best individual, its fitness their mean
-    assert table.best_fitness == search.hof[0].fitness.values[0]
+    assert table.best_fitness == s.hof[0].fitness.values[0]
     assert np.isclose(np.mean(table.scores), table.best_fitness, rtol=0, atol=1e-12)
     assert len(table.pairs) == 10 and all(m.shape == (4, 4) for m in table.masks)
 
 
 def test_gene_score_counts_patches_by_hand(ckpt, tmp_path):
-    args = build_parser().parse_args(['--checkpoint', ckpt, '--output', str(tmp_path)] + SMALL)
-    search = Search(args)
-    scorer = search.scorer
+    s = Search.from_checkpoint(parse_config(['--checkpoint', ckpt, '--output', str(tmp_path)] + SMALL))
+    scorer = s.scorer
     p, mask = 7, grid_to_bits(np.eye(4, dtype=bool))
-    ci, cj = search.space.pairs[p]
+    ci, cj = s.space.pairs[p]
     correct = 0
-    for k in range(args.k):
+    for k in range(scorer.k):
         a, b = scorer.images[scorer.a_idx[p, k]], scorer.images[scorer.b_idx[p, k]]
         x = b.clone()
         for r in range(4):  # 32x32 image, 8x8 cells on the diagonal from image a
             x[:, r * 8:(r + 1) * 8, r * 8:(r + 1) * 8] = a[:, r * 8:(r + 1) * 8, r * 8:(r + 1) * 8]
         with torch.no_grad():
-            pred = search.scorer.model.forward_patches(x[None])[0].argmax(-1)
+            pred = s.scorer.model.forward_patches(x[None])[0].argmax(-1)
         labels = torch.tensor([ci if r == c else cj for r in range(4) for c in range(4)])
         correct += int((pred == labels).sum())
-    assert scorer.score_genes(np.array([p]), np.array([mask]))[0] == correct / (args.k * 16)
+    assert scorer.score_genes(np.array([p]), np.array([mask]))[0] == correct / (scorer.k * 16)
+    assert torch.equal(scorer.images, s.scorer.images), 'scoring mixes copies, never the validation images'
+
+
+# --- the core through its seams: no files, no flags ---------------------------------------------------------------
+def tiny_scorer(classes=4, k=2, grid=(4, 4), seed=0):
+    """A GeneScorer on a small random patch-head model and random images, built in memory."""
+    torch.manual_seed(seed)
+    model = timm.create_model('patchhead_resnet32_cifar', num_classes=classes, grid=list(grid)).eval()
+    images = torch.randn(8 * classes, 3, 32, 32)
+    labels = np.arange(8 * classes) % classes
+    space = PairSpace(classes)
+    a_idx, b_idx = draw_image_pairs(labels, space.pairs, k, seed)
+    return space, GeneScorer(model, images, space.pairs, a_idx, b_idx, grid, batch_size=64)
+
+
+def no_writes(monkeypatch):
+    """Make every write of the package (they all go through checkpoint._atomic) fail the test."""
+    from timm_patchmix import checkpoint
+
+    def refuse(path, write):
+        raise AssertionError(f'the core search wrote {path}')
+    monkeypatch.setattr(checkpoint, '_atomic', refuse)
+
+
+def test_core_search_runs_in_memory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    no_writes(monkeypatch)
+    space, scorer = tiny_scorer()
+    ev = Evolution(population=6, generations=2, patience=0, seed=1)
+    s = Search(space, 4, scorer, ev)
+    rows = []
+    table = s.run(on_generation=lambda search_, row: rows.append((search_ is s, row['gen'])))
+    assert rows == [(True, 0), (True, 1), (True, 2)] and s.gen == 2 and len(s.logbook) == 3
+    assert os.listdir(tmp_path) == []
+    for ind in s.population + list(s.hof):
+        assert s.evaluate_direct(ind) == ind.fitness.values[0]
+    assert table.grid == (4, 4) and len(table.pairs) == 4 == s.n_active and table.class_names == ['0', '1', '2', '3']
+    assert table.best_fitness == s.hof[0].fitness.values[0] and table.search_args['population'] == 6
+    # a generation limit stops a run; a later run goes on from there, as if it had not stopped
+    s2 = Search(space, (4, 4), tiny_scorer()[1], ev)
+    s2.run(generations=1)
+    assert s2.gen == 1
+    assert s2.run().to_json() == table.to_json()
+
+
+def test_core_search_state_round_trip(tmp_path):
+    """Save after generation 1, restore into a new search, finish: the same table as a run straight through."""
+    space, scorer = tiny_scorer()
+    ev = Evolution(population=6, generations=3, patience=0, seed=2)
+    straight = Search(space, 4, scorer, ev).run()
+    first = Search(space, 4, tiny_scorer()[1], ev)
+    first.run(generations=1)
+    first.save_state(str(tmp_path / 'state.safetensors'))
+    random.seed(99)  # what happens in between does not matter: the state holds every generator
+    second = Search(space, 4, tiny_scorer()[1], ev, state_path=str(tmp_path / 'state.safetensors'))
+    second.load_state()
+    assert second.gen == 1 and second.scorer.cache == first.scorer.cache
+    assert second.run().to_json() == straight.to_json()
+    # a search of other settings refuses the state
+    other = Search(space, 4, tiny_scorer()[1], dataclasses.replace(ev, seed=3))
+    with pytest.raises(SettingsChangedError, match="--seed: 2 before, 3 now"):
+        other.load_state(str(tmp_path / 'state.safetensors'))
+
+
+def test_core_search_checks_its_parts():
+    space, scorer = tiny_scorer()
+    with pytest.raises(ValueError, match='2x2 grid, the search is for 4x4|4x4 grid, the search is for 2x2'):
+        Search(space, 2, scorer)
+    with pytest.raises(ValueError, match='image pairs for 6 class pairs, the pair space 15'):
+        Search(PairSpace(6), 4, scorer)
+    with pytest.raises(SearchError, match='N=7 active pairs, but 4 classes have only 6 pairs'):
+        Search(space, 4, scorer, Evolution(n_active=7))
+    with pytest.raises(ValueError, match='3 class names for 4 classes'):
+        Search(space, 4, scorer, class_names=['a', 'b', 'c'])
+    with pytest.raises(RuntimeError, match='has not run yet'):
+        Search(space, 4, scorer).table()
+
+
+def test_search_config_is_frozen_and_checked(ckpt):
+    cfg = SearchConfig(checkpoint=ckpt, grid=4)
+    assert cfg.grid == (4, 4) and cfg.population == 500 and cfg.evolution() == Evolution()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.population = 3
+    assert cfg.replace(population=3).population == 3 and cfg.population == 500
+    for bad, message in [({'population': 1}, 'population must be an integer >= 2'),
+                         ({'cxpb': 1.5}, r'cxpb must be a probability in \[0, 1\]'),
+                         ({'fitness': 'best'}, "fitness must be one of 'min', 'max'"),
+                         ({'score': 'f1'}, "score must be one of 'accuracy', 'loss'"),
+                         ({'k': 0}, 'k must be an integer >= 1'), ({'grid': (4, 0)}, 'grid must be at least 1x1'),
+                         ({'checkpoint': ''}, 'checkpoint must be the path'), ({'seed': -1}, 'seed must be')]:
+        with pytest.raises(ValueError, match=message):
+            SearchConfig(**dict({'checkpoint': ckpt}, **bad))
+    # flags and fields are one-to-one; the record leaves out how the search ran
+    flags = parse_config(['--checkpoint', ckpt, '--grid', '4', '--no-plots', '--seed', '5'])
+    assert flags == SearchConfig(checkpoint=ckpt, grid=(4, 4), plots=False, seed=5)
+    rec = flags.record()
+    assert rec['grid'] == [4, 4] and rec['seed'] == 5
+    assert not {'output', 'device', 'resume', 'progress', 'plots'} & set(rec)
+
+
+def test_search_from_checkpoint_reads_and_writes_nothing(ckpt, tmp_path, monkeypatch):
+    no_writes(monkeypatch)
+    s = Search.from_checkpoint(SearchConfig(checkpoint=ckpt, output=str(tmp_path / 'out'), k=2, val_subset=300,
+                                            device='cpu', population=4, n_active=3))
+    assert (s.num_classes, len(s.space), s.n_active, s.grid) == (10, 45, 3, (4, 4))
+    assert s.class_names == list(PATCHSHAPES_CLASSES) and s.fingerprint == dataset_fingerprint('', PATCHSHAPES_CLASSES)
+    assert s.scorer.images.shape[1:] == (3, 32, 32) and s.scorer.k == 2
+    assert s.state_path == str(tmp_path / 'out' / 'search_state.safetensors') and not (tmp_path / 'out').exists()
+    assert s.settings['--checkpoint']['path'] == ckpt and s.settings['--n-active'] == 3
+    with pytest.raises(SearchError, match='--resume given but .* does not exist'):
+        Search.from_checkpoint(SearchConfig(checkpoint=ckpt, output=str(tmp_path / 'out'), resume=True, k=2,
+                                            val_subset=300, device='cpu'))
+
+
+def test_search_returns_its_result(ckpt, tmp_path):
+    cfg = parse_config(['--checkpoint', ckpt, '--output', str(tmp_path)] + SMALL + ['--generations', '2'])
+    gens = []
+    result = search(cfg, on_generation=lambda s, row: gens.append(os.path.isfile(s.state_path)))
+    assert gens == [True, True, True], 'the callback runs after the state is saved'
+    assert isinstance(result, SearchResult) and result.generations == 2 and not result.stopped_early
+    assert [r['gen'] for r in result.logbook] == [0, 1, 2] and result.output == str(tmp_path)
+    assert result.table_path == str(tmp_path / 'masks.json')
+    assert MaskTable.load(result.table_path).to_json() == result.table.to_json()
+    assert result.best_fitness == result.table.best_fitness and result.forward_images > 0
+    for f in ('logbook.csv', 'fitness.png', 'pairs.png', 'search_state.safetensors'):
+        assert (tmp_path / f).is_file(), f
+
+
+def test_help_names_every_flag_with_defaults():
+    parser = build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    assert '(default: 500)' in text and '(default: output/search)' in text and 'examples:' in text
+    assert text.count('--checkpoint') >= 3  # usage, the flag, the examples
+
+
+def test_bits_and_masks_convert_one_way():
+    rng = np.random.default_rng(0)
+    for rows, cols in ((1, 1), (4, 4), (3, 5), (7, 8)):
+        m = rng.random((6, rows, cols)) < 0.5
+        bits = mask_to_bits(m)
+        assert bits.dtype == np.int64 and bits.tolist() == [mask_to_bits(x) for x in m]
+        assert np.array_equal(bits_to_mask(bits, rows, cols), m)
+        assert torch.equal(bits_to_mask(torch.from_numpy(bits), rows, cols), torch.from_numpy(m))
+        assert all(np.array_equal(bits_to_grid(int(b), rows, cols), x) for b, x in zip(bits, m))
+    big = np.ones((8, 8), dtype=bool)  # one mask wider than int64 still converts
+    assert mask_to_bits(big) == (1 << 64) - 1 and bits_to_mask((1 << 64) - 1, 8, 8).all()
 
 
 # --- resume and distributed ------------------------------------------------------------------------------------
@@ -123,12 +278,29 @@ def run_cli(args, env=None, torchrun=False):
                           env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1', **(env or {})))
 
 
+# search.py's flags, SIGKILLed by the search's per-generation callback once generation argv[1] is checkpointed
+KILL_AT = """
+import os, signal, sys
+import timm_patchmix
+from timm_patchmix.search import parse_config, search
+at = int(sys.argv[1])
+
+def kill(s, row):
+    if row['gen'] >= at:
+        os.kill(os.getpid(), signal.SIGKILL)
+search(parse_config(sys.argv[2:]), on_generation=kill)
+"""
+
+
 def test_resume_after_kill_gives_identical_table(ckpt, tmp_path):
     base = ['--checkpoint', ckpt] + SMALL + ['--generations', '6']
     full = run_cli(base + ['--output', str(tmp_path / 'full')])
     assert full.returncode == 0, full.stderr[-2000:]
-    killed = run_cli(base + ['--output', str(tmp_path / 'killed')], env={KILL_ENV: '3'})
-    assert killed.returncode == -9
+    killed = subprocess.run([sys.executable, '-c', KILL_AT, '3'] + base + ['--output', str(tmp_path / 'killed')],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert 'gen 3:' in killed.stdout and 'gen 4:' not in killed.stdout
     assert not (tmp_path / 'killed' / 'masks.json').exists()
     resumed = run_cli(base + ['--output', str(tmp_path / 'killed'), '--resume'])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -168,6 +340,9 @@ def test_errors(ckpt, tmp_path):
 
 # --- mask table ------------------------------------------------------------------------------------------------
 def test_mask_table_round_trip_and_validation(tmp_path):
+    from timm_patchmix import guided
+    assert (guided.MaskTable, guided.MaskTableError, guided.dataset_fingerprint) == \
+        (MaskTable, MaskTableError, dataset_fingerprint), 'the guided mixer reads the one table type'
     fp = dataset_fingerprint('', PATCHSHAPES_CLASSES)
     t = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), fp, [(0, 3), (2, 5)],
                   [np.eye(4, dtype=bool), ~np.eye(4, dtype=bool)], [0.1, 0.2], 0.15, {'seed': 1})

@@ -7,14 +7,16 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import timm_patchmix  # noqa: F401
-from timm_patchmix.checkpoint import load_state
-from timm_patchmix.train import KILL_ENV, main
+from timm_patchmix.checkpoint import load_state, load_weights
+from timm_patchmix.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
+KILLER = os.path.join(ROOT, 'tests', 'kill_after_steps.py')  # runs train.py's main with an on_step that SIGKILLs
 TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '2']
 
 
@@ -27,32 +29,67 @@ def run(tmp_path, *extra, name='run'):
     return main(TINY + ['--output', str(tmp_path), '--experiment', name] + list(extra))
 
 
-@pytest.mark.parametrize('flags, model', [
-    ([], 'resnet32_cifar'),
-    (['--mixup', '0.2'], 'resnet32_cifar'),
-    (['--cutmix', '1.0'], 'resnet32_cifar'),
-    (['--mixup', '0.2', '--no-prefetcher'], 'resnet32_cifar'),
-    (['--patchmix'], 'patchhead_resnet32_cifar'),
-    (['--patchmix', '--patchmix-collate', '--patchmix-mode', 'pair'], 'patchhead_resnet32_cifar'),
-    (['--patchmix', '--no-prefetcher', '--patchmix-grid', '2'], 'patchhead_resnet32_cifar'),
+@pytest.mark.parametrize('flags, model, grid', [
+    ([], 'resnet32_cifar', None),
+    (['--mixup', '0.2'], 'resnet32_cifar', None),
+    (['--cutmix', '1.0'], 'resnet32_cifar', None),
+    (['--mixup', '0.2', '--no-prefetcher'], 'resnet32_cifar', None),
+    (['--patchmix'], 'patchhead_resnet32_cifar', [4, 4]),
+    (['--patchmix', '--patchmix-collate', '--patchmix-mode', 'pair'], 'patchhead_resnet32_cifar', [4, 4]),
+    (['--patchmix', '--no-prefetcher', '--patchmix-grid', '2'], 'patchhead_resnet32_cifar', [2, 2]),
 ])
-def test_modes_train_and_write_outputs(tmp_path, flags, model):
+def test_modes_train_and_write_outputs(tmp_path, flags, model, grid):
     res = run(tmp_path, *flags)
     out = res['output']
+    assert out == os.path.join(str(tmp_path), 'run')
+    assert sorted(os.listdir(out)) == ['args.yaml', 'best.safetensors', 'last.safetensors', 'state.safetensors',
+                                       'summary.csv']  # and no temporary file left behind
     rows = read_csv(os.path.join(out, 'summary.csv'))
     assert [int(r['epoch']) for r in rows] == [0, 1]
+    assert list(rows[0]) == ['epoch', 'train_loss', 'eval_loss', 'eval_top1', 'eval_top5', 'lr', 'img_s']
+    # the returned rows are the file's, as numbers
+    assert [{k: str(v) for k, v in r.items()} for r in res['rows']] == rows
     for r in rows:
         assert 0 <= float(r['eval_top1']) <= 100 and float(r['eval_top1']) <= float(r['eval_top5'])
         assert float(r['train_loss']) > 0 and float(r['img_s']) > 0
         assert float(r['eval_top1']) * 40 / 100 == pytest.approx(round(float(r['eval_top1']) * 40 / 100))
-    for f in ('args.yaml', 'last.safetensors', 'best.safetensors', 'state.safetensors'):
-        assert os.path.isfile(os.path.join(out, f))
-    weights = load_file(os.path.join(out, 'last.safetensors'))
+    # the demo recipe: lr 0.1, cosine over 2 epochs without warm-up
+    assert float(rows[0]['lr']) == pytest.approx(0.1) and float(rows[1]['lr']) == pytest.approx(0.05)
+
+    patchmix = '--patchmix' in flags
+    weights, meta = load_weights(os.path.join(out, 'last.safetensors'))
     assert any(k.startswith('patch_head.') for k in weights) == model.startswith('patchhead_')
+    assert meta['model'] == model and meta['num_classes'] == 10 and meta['epoch'] == 1
+    assert meta['metrics'] == res['rows'][-1]
+    assert meta['data']['input_size'] == [3, 32, 32] and meta['command'].startswith('train.py --train-subset 64')
+    if grid is None:  # a plain backbone records no PatchMix section
+        assert meta['patchmix'] is None and meta['model_kwargs'] == {}
+    else:
+        assert meta['patchmix'] == {'enabled': patchmix, 'grid': grid, 'table': None}
+        assert meta['model_kwargs'] == {'grid': grid}
+
     state = load_state(os.path.join(out, 'state.safetensors'))
-    assert state['meta']['epoch'] == 1 and state['meta']['args']['model'] == model
+    smeta = state['meta']
+    assert smeta['epoch'] == 1 and smeta['args']['model'] == model and smeta['updates'] == 2 * 4
     assert state['optimizer']['state'], 'momentum buffers are saved'
-    assert not [f for f in os.listdir(out) if f.endswith('.tmp')]
+    assert smeta['rows'] == res['rows'] and smeta['best'] == res['best']
+    best_weights, best_meta = load_weights(os.path.join(out, 'best.safetensors'))
+    assert best_meta['epoch'] == res['best']['epoch'] and res['best']['metric'] == 'top1'
+    assert res['best']['score'] == max(r['eval_top1'] for r in res['rows'])
+    # the mixing settings a resume must keep, under their flag names
+    settings = smeta['settings']
+    assert settings['--patchmix'] is patchmix and settings['--patchmix-table'] is None
+    assert settings['--patchmix-grid'] == (grid or [4, 4])
+    assert settings['--mixup'] == (0.2 if '--mixup' in flags else 0.0)
+    assert settings['--cutmix'] == (1.0 if '--cutmix' in flags else 0.0)
+    assert settings['--patchmix-mode'] == ('pair' if 'pair' in flags else 'elem')
+    assert settings['--patchmix-collate'] is ('--patchmix-collate' in flags)
+    assert settings['--no-prefetcher'] is ('--no-prefetcher' in flags)
+    with open(os.path.join(out, 'args.yaml')) as f:
+        recorded = yaml.safe_load(f)
+    assert recorded['model'] == model and recorded['recipe'] == 'demo' and recorded['epochs'] == 2
+    assert recorded['lr'] == 0.1 and recorded['patch_head'] is (grid is not None)
+    assert recorded['grid'] == (grid or [4, 4]) and recorded['num_classes'] == 10
 
 
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
@@ -62,10 +99,10 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     full = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'full'], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-2000:]
-    # 64 images / batch 16 = 4 steps per epoch: step 6 is in the middle of epoch 1
-    killed = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'killed'], cwd=ROOT,
-                            env=dict(env, **{KILL_ENV: '6'}), capture_output=True, text=True)
-    assert killed.returncode == -9
+    # 64 images / batch 16 = 4 steps per epoch: a SIGKILL after step 6 is in the middle of epoch 1
+    killed = subprocess.run([sys.executable, KILLER, '6', 'train', *args, '--experiment', 'killed'], cwd=ROOT,
+                            env=env, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
     out = os.path.join(tmp_path, 'killed')
     assert [r['epoch'] for r in read_csv(os.path.join(out, 'summary.csv'))] == ['0']
     resumed = subprocess.run([sys.executable, 'train.py', *args, '--resume', os.path.join(out, 'state.safetensors')],

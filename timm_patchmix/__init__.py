@@ -1,7 +1,15 @@
-"""timm_patchmix: PatchMix (Cascante-Bonilla et al., BMVC 2021) for the timm ecosystem."""
+"""timm_patchmix: PatchMix (Cascante-Bonilla et al., BMVC 2021) for the timm ecosystem.
+
+``import timm_patchmix`` registers the ``patchhead_*`` models with timm and gives the mixers, the loss and the
+patch-head model. ``GuidedPatchMix``, ``MaskTable``, ``MaskTableError`` and the ``hub`` module load on first use
+(PEP 562), so the import stays cheap.
+"""
+import importlib
+from typing import Any, List
+
 from .grid import cell_areas, cell_bounds, grid_bounds, to_grid
 from .mix import PatchMix, PatchMixParams, pack_target, split_target
-from .collate import FastCollatePatchMix
+from .collate import FastCollateGuidedPatchMix, FastCollatePatchMix
 from .loss import PatchMixLoss
 from .models import PatchHeadModel, create_patchhead, register_patchhead_models, register_patchhead_pretrained
 
@@ -10,7 +18,39 @@ register_patchhead_pretrained()
 
 __version__ = '0.1.0'
 
+# name -> (modules to try in turn, attribute); attribute None means the module itself
+_LAZY = {
+    'GuidedPatchMix': (('.guided',), 'GuidedPatchMix'),
+    'MaskTable': (('.table', '.guided'), 'MaskTable'),  # .guided re-exports the table's names
+    'MaskTableError': (('.table', '.guided'), 'MaskTableError'),
+    'hub': (('.hub',), None),
+}
+
 __all__ = [
-    'PatchMix', 'PatchMixParams', 'FastCollatePatchMix', 'PatchMixLoss', 'split_target', 'pack_target',
-    'cell_bounds', 'grid_bounds', 'cell_areas', 'to_grid', 'PatchHeadModel', 'create_patchhead',
+    'PatchMix', 'PatchMixParams', 'FastCollatePatchMix', 'FastCollateGuidedPatchMix', 'PatchMixLoss', 'split_target',
+    'pack_target', 'cell_bounds', 'grid_bounds', 'cell_areas', 'to_grid', 'PatchHeadModel', 'create_patchhead',
+    'GuidedPatchMix', 'MaskTable', 'MaskTableError', 'hub',
 ]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        modules, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}') from None
+    for module in modules:
+        try:
+            mod = importlib.import_module(module, __name__)
+        except ModuleNotFoundError as e:
+            if e.name != __name__ + module or module == modules[-1]:
+                raise
+            continue
+        if attr is None or hasattr(mod, attr):
+            break
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,20 +1,24 @@
-"""Patch-grid geometry shared by the mixer, the collate-mixer, the patch head and the search.
+"""Patch-grid geometry shared by the mixer, the collate-mixer, the patch head, the search and every command line.
 
 A grid of ``rows x cols`` cells over an ``H x W`` plane has row boundaries ``floor(k * H / rows)`` for
 ``k = 0..rows`` and column boundaries ``floor(k * W / cols)``. Every component that needs to know where a
 cell starts and ends calls :func:`cell_bounds` (or :func:`grid_bounds`), so pixels of the mixer and regions of
-the patch head can never disagree.
+the patch head can never disagree. :func:`to_grid` is the one parser of a grid (an API argument or a ``--grid``
+flag), and :func:`bits_to_mask` / :func:`mask_to_bits` the one conversion between a cell mask and the integer the
+search keeps it as.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 GridSpec = Union[int, Sequence[int]]
 
-__all__ = ['GridSpec', 'to_grid', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas', 'cell_mask_to_pixels']
+__all__ = ['GridSpec', 'to_grid', 'grid_from_flag', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas',
+           'cell_mask_to_pixels', 'bits_to_mask', 'mask_to_bits']
 
 
 def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
@@ -33,6 +37,14 @@ def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
     if rows < 1 or cols < 1:
         raise ValueError(f'{name} must be at least 1x1, got {rows}x{cols}')
     return rows, cols
+
+
+def grid_from_flag(values: Sequence[int], flag: str = '--grid') -> Tuple[int, int]:
+    """The ``(rows, cols)`` of a command-line grid flag given as ``P`` or ``rows cols`` (``nargs='+'``)."""
+    values = list(values)
+    if len(values) not in (1, 2):
+        raise ValueError(f'{flag} takes P or rows cols, got {len(values)} values {" ".join(map(str, values))}')
+    return to_grid(values[0] if len(values) == 1 else values, flag)
 
 
 @lru_cache(maxsize=256)
@@ -79,3 +91,32 @@ def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Te
     ri = torch.tensor([k for k in range(rows) for _ in range(rb[k + 1] - rb[k])], device=mask.device)
     ci = torch.tensor([k for k in range(cols) for _ in range(cb[k + 1] - cb[k])], device=mask.device)
     return mask[:, ri][:, :, ci]
+
+
+def bits_to_mask(bits, rows: int, cols: int):
+    """Integer masks -> bool cell masks ``[..., rows, cols]``; bit ``k = r * cols + c`` is cell (r, c).
+
+    ``bits`` is an int or a numpy integer array (the result is a numpy array) or an int64 tensor (a tensor on its
+    device). A set bit is True: in PatchMix's convention, the cell is kept from the image itself.
+    """
+    cells = rows * cols
+    if isinstance(bits, torch.Tensor):
+        weights = 1 << torch.arange(cells, dtype=torch.long, device=bits.device)
+        return ((bits[..., None] & weights) != 0).view(*bits.shape, rows, cols)
+    if isinstance(bits, int) and bits >= 1 << 63:  # wider than int64: one mask, bit by bit
+        return np.array([(bits >> k) & 1 for k in range(cells)], dtype=bool).reshape(rows, cols)
+    b = np.asarray(bits, dtype=np.int64)
+    return ((b[..., None] >> np.arange(cells, dtype=np.int64)) & 1).astype(bool).reshape(*b.shape, rows, cols)
+
+
+def mask_to_bits(mask):
+    """Bool cell masks ``[..., rows, cols]`` -> integer masks, the inverse of :func:`bits_to_mask`: an int for one
+    ``[rows, cols]`` mask (any size), an int64 array for a stack of masks of at most 63 cells."""
+    m = np.asarray(mask, dtype=bool)
+    rows, cols = m.shape[-2:]
+    flat = m.reshape(*m.shape[:-2], rows * cols)
+    if flat.ndim == 1:
+        return int(sum(1 << int(k) for k in np.flatnonzero(flat)))
+    if rows * cols > 63:
+        raise ValueError(f'a stack of {rows}x{cols} masks does not fit int64 integers; convert one mask at a time')
+    return (flat.astype(np.int64) << np.arange(rows * cols, dtype=np.int64)).sum(-1)

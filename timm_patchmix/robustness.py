@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .cli_types import directory, existing_file, nonneg_float, optional_directory, positive_int
 
-__all__ = ['fgsm_accuracy', 'main']
+__all__ = ['fgsm_accuracy', 'build_parser', 'main']
 
 
 class Normalized(nn.Module):
@@ -69,24 +69,43 @@ def report(results: Dict[float, float], out_dir: Optional[str] = None) -> None:
                           json.dumps({str(k): v for k, v in results.items()}, indent=1))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import HelpFormatter, prog_name
+    prog = prog_name('timm_patchmix.robustness')
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=HelpFormatter,
+        description='FGSM white-box robustness of a saved checkpoint: top-1 on validation images perturbed by\n'
+                    'eps * sign(grad of the loss), pixels in [0, 1] (the paper\'s eps = 0.1, 0.2, 0.3); the model '
+                    'sees\nthe perturbed image after its own mean/std normalisation. eps 0 (clean) is always added.',
+        epilog=f'examples:\n  {prog} --checkpoint output/train/run/best.safetensors\n'
+               f'  {prog} --checkpoint output/train/run/best.safetensors --eps 0.05 0.1 --val-subset 1000 '
+               f'--output output/train/run')
+    parser.add_argument('--checkpoint', required=True, type=existing_file,
+                        help='weights written by train.py (last/best.safetensors)')
+    parser.add_argument('--eps', type=nonneg_float, nargs='+', default=[0.1, 0.2, 0.3],
+                        help='perturbation sizes in pixel units (pixels in [0, 1])')
+    parser.add_argument('--dataset', default=None,
+                        help='dataset to attack (default: the dataset the checkpoint was trained on)')
+    parser.add_argument('--data-dir', default=None, type=optional_directory,
+                        help="where the dataset lives (default: the checkpoint's)")
+    parser.add_argument('--val-split', default=None,
+                        help="the split to evaluate (default: the checkpoint's validation split)")
+    parser.add_argument('--val-subset', type=positive_int, default=None,
+                        help='evaluate a fixed random subset of this many images (default: the whole split)')
+    parser.add_argument('-b', '--batch-size', type=positive_int, default=128, help='images per batch')
+    parser.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda')
+    parser.add_argument('--output', default=None, type=directory,
+                        help='write fgsm.json to this folder (default: print only)')
+    return parser
+
+
 def main(argv=None) -> int:
     from timm.data import resolve_data_config
 
     from .data import build_dataset, pixel_transform
     from .hub import model_from_weights
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--checkpoint', required=True, type=existing_file,
-                        help='weights written by train.py (last/best.safetensors)')
-    parser.add_argument('--eps', type=nonneg_float, nargs='+', default=[0.1, 0.2, 0.3])
-    parser.add_argument('--dataset', default=None, help='default: the dataset the checkpoint was trained on')
-    parser.add_argument('--data-dir', default=None, type=optional_directory)
-    parser.add_argument('--val-split', default=None)
-    parser.add_argument('--val-subset', type=positive_int, default=None)
-    parser.add_argument('-b', '--batch-size', type=positive_int, default=128)
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--output', default=None, type=directory, help='write fgsm.json here')
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     model, meta = model_from_weights(args.checkpoint)
     data = meta.get('data', {})

@@ -16,8 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import SelectAdaptivePool2d
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._manipulate import checkpoint_seq
+from timm.models import build_model_with_cfg, checkpoint_seq, generate_default_cfgs, register_model
 
 __all__ = ['CifarResNet']
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import timm
 from safetensors import SafetensorError
-from timm.models import _registry
-from timm.models._pretrained import PretrainedCfg
+from timm.models import PretrainedCfg
 
+from ..compat import registry as _registry
 from ..grid import GridSpec, cell_bounds, to_grid
 
 __all__ = ['PatchHead', 'PatchHeadModel', 'create_patchhead', 'register_patchhead_models', 'PREFIX']
@@ -312,7 +312,7 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
     """Load a patchhead checkpoint through timm's own loader (Hub, local folder, file; both heads are dropped
     when ``model.num_classes`` differs from the checkpoint's), turning a bad file into an error that says what to
     do."""
-    from timm.models._builder import load_pretrained
+    from timm.models import load_pretrained
     from ..checkpoint import CheckpointError
     where = cfg.get('file') or cfg.get('hf_hub_id') or cfg.get('url') or 'the pretrained cfg'
     try:

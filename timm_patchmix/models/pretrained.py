@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import _registry
-from timm.models._pretrained import PretrainedCfg
+from timm.models import PretrainedCfg
 
 from . import patchhead
+from ..compat import registry as _registry
 
 __all__ = ['HUB_NAMESPACE', 'PATCHHEAD_PRETRAINED', 'register_patchhead_pretrained']
 

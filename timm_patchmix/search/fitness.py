@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..grid import cell_mask_to_pixels
+from ..grid import bits_to_mask, cell_mask_to_pixels
+from ..mix import mix_cells_, mix_select_
 
 __all__ = ['GeneScorer', 'draw_image_pairs', 'cell_mask_to_pixels']
 
@@ -73,7 +74,6 @@ class GeneScorer:
         self.forward_images = 0
         self.model_seconds = 0.0  # wall time spent scoring new genes (the batches end in a host copy, so it is synced)
         self.bits = 1 << (grid[0] * grid[1])
-        self._bit_weights = 1 << torch.arange(grid[0] * grid[1], dtype=torch.long)
 
     def key(self, pair: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Cache keys ``pair * 2**cells + mask``, exact for every grid: int64 while the largest key fits in 63
@@ -111,18 +111,18 @@ class GeneScorer:
             return out
         dev = self.images.device
         rows, cols = self.grid
-        h, w = self.images.shape[-2:]
+        # the mixer's own in-place functions, chosen for the device as PatchMix.apply chooses
+        mix_ = mix_select_ if dev.type == 'cuda' else mix_cells_
         per = max(1, self.batch_size // self.k)
         pair_t = torch.as_tensor(pair, dtype=torch.long)
         mask_t = torch.as_tensor(mask, dtype=torch.long)
         for s in range(0, len(pair), per):
             gp, gm = pair_t[s:s + per], mask_t[s:s + per]
             g = len(gp)
-            keep = ((gm[:, None] & self._bit_weights) != 0).view(g, rows, cols)        # [g, R, C]
-            keep_k = keep.repeat_interleave(self.k, 0).to(dev)                          # [g*K, R, C]
+            keep_k = bits_to_mask(gm, rows, cols).repeat_interleave(self.k, 0).to(dev)  # [g*K, R, C]
             ia, ib = self.a_idx[gp].reshape(-1).to(dev), self.b_idx[gp].reshape(-1).to(dev)
-            pix = cell_mask_to_pixels(keep_k, h, w)[:, None]
-            x = torch.where(pix, self.images[ia], self.images[ib])
+            # a copy of the first images (indexing copies), their dropped cells taken from the second ones
+            x = mix_(self.images[ia], ib, keep_k, source=self.images)
             if self.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             with torch.autocast(dev.type, enabled=self.amp):

@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 import numpy as np
 from deap import base, creator
 
+from ..grid import bits_to_mask, mask_to_bits
+
 __all__ = ['PairSpace', 'Individual', 'MaskOps', 'fitness_class', 'bits_to_grid', 'grid_to_bits',
            'same_phenotype']
 
@@ -27,15 +29,9 @@ def fitness_class(direction: str):
     return getattr(creator, name)
 
 
-def bits_to_grid(mask: int, rows: int, cols: int) -> np.ndarray:
-    """Integer mask -> bool ``[rows, cols]``."""
-    k = np.arange(rows * cols)
-    return ((int(mask) >> k) & 1).astype(bool).reshape(rows, cols)
-
-
-def grid_to_bits(grid: np.ndarray) -> int:
-    flat = np.asarray(grid, dtype=bool).reshape(-1)
-    return int(sum(1 << k for k in np.flatnonzero(flat)))
+# the grid module's conversion under the names the search has always used
+bits_to_grid = bits_to_mask
+grid_to_bits = mask_to_bits
 
 
 class PairSpace:
@@ -98,8 +94,9 @@ class MaskOps:
         if self.cells > self.MAX_CELLS:
             raise ValueError(f'a {rows}x{cols} grid has {self.cells} cells; masks are held in {self.MAX_CELLS} bits')
         self.full = (1 << self.cells) - 1
-        left_cols = cols // 2
-        self.left = sum(1 << (r * cols + c) for r in range(rows) for c in range(left_cols))
+        left = np.zeros((rows, cols), dtype=bool)
+        left[:, :cols // 2] = True
+        self.left = mask_to_bits(left)
         self.right = self.full & ~self.left
         self.square = rows == cols
 
@@ -107,11 +104,10 @@ class MaskOps:
         return np.bitwise_xor(m, self.full)
 
     def transpose(self, m: np.ndarray) -> np.ndarray:
-        out = np.zeros_like(m)
-        for r in range(self.rows):
-            for c in range(self.cols):
-                out |= ((m >> (r * self.cols + c)) & 1) << (c * self.cols + r)
-        return out
+        """Masks of a square grid mirrored about the diagonal."""
+        if not len(m):
+            return np.asarray(m, dtype=np.int64).copy()
+        return mask_to_bits(np.swapaxes(bits_to_mask(m, self.rows, self.cols), -1, -2))
 
     def halves(self, a: np.ndarray, b: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Children from the left half of one parent and the right half of the other."""
@@ -119,8 +115,7 @@ class MaskOps:
 
     def flip_bits(self, m: np.ndarray, rng: np.random.Generator, p: float) -> np.ndarray:
         flips = rng.random((len(m), self.cells)) < p
-        weights = (1 << np.arange(self.cells, dtype=np.int64))
-        return np.bitwise_xor(m, (flips * weights).sum(1).astype(np.int64))
+        return np.bitwise_xor(m, mask_to_bits(flips.reshape(len(m), self.rows, self.cols)))
 
 
 class Operators:

@@ -1,17 +1,45 @@
-"""Checks of a ``search_state.safetensors`` before a resume uses it: types and ranges of its metadata, shapes, dtypes
-and ranges of its tensors. Errors are :class:`~timm_patchmix.checkpoint.CheckpointError`s naming the file, the field
-and the bad value."""
+"""The tensors of a ``search_state.safetensors`` (individuals as padded arrays) and the checks before a resume uses
+one: types and ranges of its metadata, shapes, dtypes and ranges of its tensors. Errors are
+:class:`~timm_patchmix.checkpoint.CheckpointError`s naming the file, the field and the bad value."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError
 from ..validation import Fields, is_int
+from .genome import Individual
 
-__all__ = ['check_search_meta', 'check_search_tensors']
+__all__ = ['pack_individuals', 'unpack_individuals', 'check_search_meta', 'check_search_tensors']
+
+
+def pack_individuals(inds: List[Individual], prefix: str, n_active: int) -> Dict[str, torch.Tensor]:
+    """``<prefix>.active`` (pair indices padded with -1 to ``n_active``), ``.masks`` and ``.fitness`` (NaN where
+    not evaluated) of ``inds``; nothing for none."""
+    if not inds:
+        return {}
+    active = np.full((len(inds), n_active), -1, dtype=np.int64)
+    for r, ind in enumerate(inds):
+        active[r, :len(ind.active)] = ind.active
+    return {f'{prefix}.active': torch.from_numpy(active),
+            f'{prefix}.masks': torch.from_numpy(np.stack([ind.masks for ind in inds])),
+            f'{prefix}.fitness': torch.tensor([ind.fitness.values[0] if ind.fitness.valid else float('nan')
+                                               for ind in inds], dtype=torch.float64)}
+
+
+def unpack_individuals(t: Dict[str, torch.Tensor], prefix: str, fitness_cls) -> List[Individual]:
+    """The individuals :func:`pack_individuals` wrote under ``prefix`` (none when absent)."""
+    if f'{prefix}.active' not in t:
+        return []
+    out = []
+    for a, m, f in zip(t[f'{prefix}.active'].numpy(), t[f'{prefix}.masks'].numpy(), t[f'{prefix}.fitness'].numpy()):
+        ind = Individual(a[a >= 0].copy(), m.copy(), fitness_cls())
+        if not np.isnan(f):
+            ind.fitness.values = (float(f),)
+        out.append(ind)
+    return out
 
 
 def check_search_meta(path: str, meta: Dict[str, Any]) -> None:

@@ -1,0 +1,152 @@
+"""The data of a run: datasets, timm's data config, transforms, the mixer or mixing collate, and the loaders."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .config import DataConfig, TrainConfig
+from .errors import TrainSetupError
+from .runtime import Runtime, StridedSampler
+
+__all__ = ['Datasets', 'Loaders', 'build_datasets', 'resolve_data', 'build_mixing', 'build_loaders']
+
+
+@dataclass
+class Datasets:
+    train: Any
+    val: Any
+    num_classes: int
+
+    @property
+    def class_names(self):
+        return list(self.train.classes)
+
+
+@dataclass
+class Loaders:
+    """The loaders of a run, with what the epoch loop seeds and switches: the sampler, the generator of the train
+    loader, and the mixer (on the device) or the mixing collate (in the loader)."""
+    train: Any
+    val: Any
+    sampler: torch.utils.data.DistributedSampler
+    generator: torch.Generator
+    mixer: Optional[Any] = None
+    collate: Optional[Any] = None
+
+    @property
+    def mixing(self) -> Optional[Any]:
+        """The object whose ``mixup_enabled`` switches mixing off (``--patchmix-off-epoch``, ``--mixup-off-epoch``)."""
+        return self.collate if self.collate is not None and hasattr(self.collate, 'mixup_enabled') else self.mixer
+
+
+def build_datasets(cfg: TrainConfig) -> Datasets:
+    """The train and validation sets of ``cfg``, and their class count (checked against ``cfg.num_classes``)."""
+    from ..data import build_dataset, dataset_num_classes
+    try:
+        train = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.dataset_download, cfg.train_subset)
+        val = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.val_subset)
+    except FileNotFoundError as e:
+        raise TrainSetupError(str(e)) from None
+    n = dataset_num_classes(train)
+    if cfg.num_classes is not None and cfg.num_classes != n:
+        raise TrainSetupError(f'--num-classes {cfg.num_classes} does not match the {n} classes of dataset '
+                              f'{cfg.dataset or "patchshapes"}')
+    return Datasets(train, val, n)
+
+
+def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
+    """timm's data config for ``model`` and the size flags of ``cfg``; ``verbose`` logs timm's block."""
+    from timm.data import resolve_data_config
+    flags = {'in_chans': cfg.in_chans, 'img_size': cfg.img_size, 'input_size': cfg.input_size}
+    data_config = resolve_data_config(flags, model=model, verbose=verbose)
+    if cfg.in_chans is not None and cfg.input_size is None:  # the model cfg's input_size names 3 channels
+        data_config['input_size'] = (cfg.in_chans, *data_config['input_size'][1:])
+    return DataConfig.from_timm(data_config)
+
+
+def _transforms(cfg: TrainConfig):
+    from timm.data import create_transform
+    from ..data import small_image_transform
+    dc = cfg.data_config
+    in_chans, size = dc.input_size[0], dc.input_size[-1]
+    if max(dc.input_size[1:]) <= 64:
+        return (small_image_transform(size, True, in_chans, cfg.prefetch, dc.mean, dc.std),
+                small_image_transform(size, False, in_chans, cfg.prefetch, dc.mean, dc.std))
+    common = dict(use_prefetcher=cfg.prefetch, mean=dc.mean, std=dc.std, interpolation=dc.interpolation)
+    return (create_transform(dc.input_size, is_training=True, **common),
+            create_transform(dc.input_size, is_training=False, crop_pct=dc.crop_pct, **common))
+
+
+def build_mixing(cfg: TrainConfig, class_names):
+    """``(mixer, collate)`` of a resolved ``cfg``: timm's Mixup/CutMix, Random or Guided PatchMix, on the device
+    (mixer) or in the loader (collate); a patch-head model without ``--patchmix`` gets an idle PatchMix, which
+    packs unmixed targets (every cell labelled as its image)."""
+    from timm.data import FastCollateMixup, Mixup
+    from timm.data.loader import fast_collate
+    from ..collate import FastCollateGuidedPatchMix, FastCollatePatchMix
+    from ..mix import PatchMix
+    collate, mixer = None, None
+    common = dict(label_smoothing=cfg.smoothing, num_classes=cfg.num_classes)
+    if cfg.mixup_active:
+        margs = dict(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, cutmix_minmax=cfg.cutmix_minmax,
+                     prob=cfg.mixup_prob, switch_prob=cfg.mixup_switch_prob, mode=cfg.mixup_mode, **common)
+        collate, mixer = (FastCollateMixup(**margs), None) if cfg.prefetch else (None, Mixup(**margs))
+    elif cfg.patchmix and cfg.patchmix_table:
+        from ..guided import GuidedPatchMix, MaskTableError, dataset_fingerprint
+        gargs = dict(guided_prob=cfg.guided_prob, random_prob=cfg.random_prob, grid=cfg.grid,
+                     fingerprint=dataset_fingerprint(cfg.dataset, class_names), **common)
+        try:
+            if cfg.patchmix_collate:
+                collate = FastCollateGuidedPatchMix(cfg.patchmix_table, **gargs)
+            else:
+                mixer = GuidedPatchMix(cfg.patchmix_table, **gargs)
+        except (MaskTableError, ValueError) as e:
+            raise TrainSetupError(str(e)) from None
+    elif cfg.patchmix or cfg.patch_head:
+        pargs = dict(grid=cfg.grid, alpha=cfg.patchmix_alpha, prob=cfg.patchmix_prob, mode=cfg.patchmix_mode,
+                     **common)
+        if cfg.patchmix and cfg.patchmix_collate:
+            collate = FastCollatePatchMix(**pargs)
+        else:
+            mixer = PatchMix(**pargs)
+            mixer.mixup_enabled = bool(cfg.patchmix)
+    if collate is None and cfg.prefetch:
+        collate = fast_collate
+    return mixer, collate
+
+
+def _seed_worker(worker_id: int) -> None:
+    s = torch.initial_seed() % (2 ** 32)
+    random.seed(s)
+    np.random.seed(s)
+
+
+def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
+    """The train loader (a DistributedSampler over the ranks, whole batches only) and the validation loader (each
+    image on one rank), behind timm's PrefetchLoader unless ``--no-prefetcher``."""
+    from timm.data.loader import PrefetchLoader, fast_collate
+    data.train.transform, data.val.transform = _transforms(cfg)
+    mixer, collate = build_mixing(cfg, data.class_names)
+    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank,
+                                                  shuffle=True, seed=cfg.seed, drop_last=True)
+    generator = torch.Generator()
+    train = torch.utils.data.DataLoader(
+        data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
+        drop_last=True, pin_memory=cfg.pin_mem, worker_init_fn=_seed_worker, generator=generator,
+        persistent_workers=False)
+    val = torch.utils.data.DataLoader(
+        data.val, batch_size=cfg.validation_batch_size or cfg.batch_size,
+        sampler=StridedSampler(len(data.val), rt.rank, rt.world_size), num_workers=cfg.workers,
+        collate_fn=fast_collate if cfg.prefetch else None, pin_memory=cfg.pin_mem)
+    if len(train) == 0:
+        raise TrainSetupError(f'the training set has {len(data.train)} images, fewer than one batch of '
+                              f'{cfg.batch_size} per process; lower --batch-size')
+    if cfg.prefetch:
+        dc = cfg.data_config
+        train = PrefetchLoader(train, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
+        val = PrefetchLoader(val, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
+    return Loaders(train, val, sampler, generator, mixer, collate)

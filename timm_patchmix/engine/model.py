@@ -1,0 +1,151 @@
+"""The model of a run: its architecture, built through timm's factory, and the checks that it fits the run."""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .config import DEFAULT_GRID, TrainConfig
+from .errors import ConfigError, TrainSetupError
+
+__all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'load_initial_checkpoint', 'check_model_fits']
+
+_logger = logging.getLogger(__name__)
+SOURCES = ('hf-hub:', 'local-dir:')
+KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans': '--in-chans',
+               'grid': '--patchmix-grid', 'per_position': '--per-position-head', 'num_classes': '--num-classes',
+               'pretrained': '--pretrained'}
+
+
+def model_arch(model: str) -> str:
+    """The architecture ``--model`` builds: the name itself, or the one a ``hf-hub:``/``local-dir:`` config names."""
+    if model.startswith(SOURCES):
+        from ..hub import _read_config
+        return _read_config(model)['architecture']
+    return model
+
+
+def resolve_arch(model: str) -> str:
+    """:func:`model_arch`, checked to be a registered timm architecture (:class:`TrainSetupError` otherwise)."""
+    import timm
+    from ..checkpoint import CheckpointError
+    try:
+        arch = model_arch(model)
+    except (CheckpointError, OSError) as e:
+        raise TrainSetupError(f'--model {model}: {e}') from None
+    if not timm.is_model(arch):
+        named = f' (named by {model})' if arch != model else ''
+        raise TrainSetupError(f'unknown model {arch!r}{named}; see timm.list_models() (patchhead_<arch> exists for '
+                              f'every timm architecture)')
+    return arch
+
+
+def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
+    from ..validation import MODEL_KWARGS
+    unknown = sorted(set(cfg.model_kwargs) - set(MODEL_KWARGS))
+    if unknown:  # the checkpoint records them, and loading refuses what is outside the allow-list
+        raise ConfigError(f'{", ".join(unknown)} cannot be recorded in a checkpoint (the architectural arguments it '
+                          f'may hold are {", ".join(sorted(MODEL_KWARGS))})', '--model-kwargs')
+    kwargs = dict(cfg.model_kwargs)
+    if (cfg.arch or cfg.model).startswith('patchhead_') and (cfg.grid is not None or not cfg.model.startswith(SOURCES)):
+        kwargs.setdefault('grid', cfg.grid or DEFAULT_GRID)  # a hub model without --patchmix-grid brings its own
+        if cfg.per_position_head:
+            kwargs['per_position'] = True
+    if cfg.in_chans is not None:
+        kwargs['in_chans'] = cfg.in_chans
+    if cfg.drop_path is not None:
+        kwargs['drop_path_rate'] = cfg.drop_path
+    if cfg.drop:
+        kwargs['drop_rate'] = cfg.drop
+    return kwargs
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str, Any]]:
+    """The model ``cfg`` names with ``num_classes`` outputs, and the keyword arguments it was built with (as a
+    checkpoint records them). A keyword argument the model does not take is a :class:`ConfigError`."""
+    import timm
+    kwargs = _model_kwargs(cfg)
+    try:
+        model = timm.create_model(cfg.model, pretrained=cfg.pretrained, num_classes=num_classes, **kwargs)
+    except TypeError as e:
+        usage = model_kwargs_error(cfg, e)
+        if usage is not None:
+            raise usage from None
+        raise
+    if cfg.model.startswith(SOURCES):  # the config's model_args, as the factory applied them
+        kwargs = {k: v for k, v in (getattr(model, '_model_args', None) or {}).items()
+                  if k not in ('num_classes', 'pretrained_model_args')}
+    if cfg.initial_checkpoint:
+        from ..checkpoint import CheckpointError
+        try:
+            load_initial_checkpoint(model, cfg.initial_checkpoint)
+        except CheckpointError as e:
+            raise TrainSetupError(f'--initial-checkpoint: {e}') from None
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    return model, {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+
+
+def model_kwargs_error(cfg: TrainConfig, error: TypeError) -> Optional[ConfigError]:
+    """The usage error for ``error`` (from ``timm.create_model``) when it is a keyword argument the model does not
+    take, or one given twice; ``None`` for any other TypeError."""
+    m = re.search(r"(unexpected|multiple values for) keyword argument '(\w+)'", str(error))
+    if not m:
+        return None
+    key = m.group(2)
+    if m.group(1) == 'multiple values for':
+        return ConfigError(f'{key} is set by {KWARG_FLAGS.get(key, "train.py itself")}; leave it out of '
+                           f'--model-kwargs', '--model-kwargs')
+    if key in cfg.model_kwargs:
+        return ConfigError(f'model {cfg.model} does not take the keyword argument {key}={cfg.model_kwargs[key]!r} '
+                           f'({error})', '--model-kwargs')
+    flag = KWARG_FLAGS.get(key, '--model')
+    return ConfigError(f'model {cfg.model} does not take {key!r}, which {flag} sets ({error})', flag)
+
+
+def load_initial_checkpoint(model: nn.Module, path: str) -> None:
+    """Load weights, dropping classifier tensors whose shapes differ (a new num_classes re-initialises them)."""
+    from ..checkpoint import CheckpointError, load_weights
+    state, _ = load_weights(path)
+    own = model.state_dict()
+    heads = getattr(model, 'pretrained_cfg', {}).get('classifier') or ()
+    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    dropped = []
+    for h in heads:
+        for suffix in ('.weight', '.bias'):
+            k = h + suffix
+            if k in state and k in own and state[k].shape != own[k].shape:
+                dropped.append(state.pop(k))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not any(k.startswith(h + '.') for h in heads)] if dropped else missing
+    if missing or unexpected:
+        raise CheckpointError(f'{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}')
+    if dropped:
+        _logger.info('initial checkpoint: re-initialised classifier heads for the new number of classes')
+
+
+def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
+    """The model of a resolved ``cfg`` can train as asked: a patch head where PatchMix's patch loss needs one, none
+    where Mixup/CutMix give no per-cell labels, and a final feature map the grid can divide."""
+    if cfg.patchmix and not cfg.patch_head and not cfg.no_patch_loss:
+        raise TrainSetupError(f'--patchmix trains a patch head, and {cfg.model} has none: use --model '
+                              f'patchhead_{cfg.model}, or --no-patch-loss for image-level PatchMix only')
+    if cfg.patch_head and cfg.mixup_active:
+        raise TrainSetupError(f'--mixup/--cutmix give no per-cell labels for the patch head of {cfg.model}; train '
+                              f'the plain backbone for those baselines')
+    if not cfg.patch_head:
+        return
+    input_size = cfg.data_config.input_size
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model.forward_patches(torch.zeros(1, *input_size, device=device))
+    except ValueError as e:
+        raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} on {cfg.model} at input '
+                              f'{input_size[1]}x{input_size[2]}: {e}') from None
+    finally:
+        model.train(was)

@@ -1,0 +1,123 @@
+"""What a run writes (``args.yaml``, ``summary.csv``, ``best``/``last``/``state.safetensors``) and reads back to
+resume, with the settings a resume must share with the run that wrote its state."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import yaml
+
+from .config import TrainConfig
+from .errors import TrainSetupError
+
+__all__ = ['RESUME_SETTINGS', 'resume_settings', 'csv_text', 'weights_meta', 'ResumePoint', 'load_resume',
+           'write_start', 'save_epoch']
+
+# what a resumed run must share with the run that wrote its state: the data, the grid, and how batches are mixed and
+# scored (the schedule, --epochs, --lr..., may change on a resume; --model and the class count are checked apart)
+RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
+                   'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
+                   'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
+                   'no_prefetcher', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
+                   'per_position_head')
+
+
+def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
+    """The :data:`RESUME_SETTINGS` of ``run_args`` (a run's settings as a dict) under their flag names; with
+    ``table``, ``--patchmix-table`` as the table's content (a path alone cannot tell an edited table from the same
+    one)."""
+    out = {('--patchmix-grid' if k == 'grid' else '--' + k.replace('_', '-')): run_args[k]
+           for k in RESUME_SETTINGS if k in run_args}
+    if table:
+        from ..settings import file_record
+        path = run_args.get('patchmix_table')
+        out['--patchmix-table'] = file_record(path) if path else None
+    return out
+
+
+def csv_text(rows: List[Dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    if rows:
+        w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()), lineterminator='\n')
+        w.writeheader()
+        w.writerows(rows)
+    return buf.getvalue()
+
+
+def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: List[str]) -> Dict[str, Any]:
+    """The metadata of ``best``/``last.safetensors`` for a resolved ``cfg`` (the epoch and metrics are added per
+    epoch)."""
+    import timm
+    dc = cfg.data_config
+    return {
+        'model': timm.models.get_arch_name(cfg.arch), 'num_classes': cfg.num_classes, 'model_kwargs': model_kwargs,
+        'class_names': list(class_names),
+        'data': {'dataset': cfg.dataset, 'data_dir': cfg.data_dir, 'val_split': cfg.val_split,
+                 'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std)},
+        'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None}
+        if cfg.patch_head or cfg.patchmix else None,
+        'command': cfg.command or None,
+    }
+
+
+@dataclass
+class ResumePoint:
+    """Where a run starts: epoch 0 with nothing, or the epoch after a saved state's, with its rows, best score,
+    update count, weights and optimizer state."""
+    start_epoch: int = 0
+    rows: List[Dict[str, Any]] = field(default_factory=list)
+    best: Optional[Dict[str, Any]] = None
+    updates: int = 0
+    model_state: Optional[Dict[str, torch.Tensor]] = None
+    optimizer_state: Optional[Dict[str, Any]] = None
+
+
+def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
+    """The state ``cfg.resume`` names, after checking that it was trained with this model, class count and
+    ``settings`` (:class:`~timm_patchmix.settings.SettingsChangedError` naming each difference otherwise)."""
+    from ..checkpoint import CheckpointError, load_state
+    from ..settings import check_settings
+    if not cfg.resume:
+        return ResumePoint()
+    try:
+        st = load_state(cfg.resume)
+    except CheckpointError as e:
+        raise TrainSetupError(f'cannot resume: {e}') from None
+    saved = st['meta'].get('args', {})
+    for key, have in (('model', cfg.model), ('num_classes', cfg.num_classes)):
+        if saved.get(key) is not None and saved.get(key) != have:
+            raise TrainSetupError(f'{cfg.resume} was trained with {key}={saved.get(key)!r}, this run has {have!r}')
+    # a state from before settings were recorded: its args, without the table's content
+    check_settings(st['meta'].get('settings') or resume_settings(saved, table=False), settings,
+                   f'cannot resume from {cfg.resume}: it was trained',
+                   'Resume with the settings it was trained with, or train the new settings afresh (without '
+                   '--resume) under another --output/--experiment.')
+    meta = st['meta']
+    return ResumePoint(int(meta['epoch']) + 1, list(meta.get('rows', [])), meta.get('best'),
+                       int(meta.get('updates', 0)), st['model'], st['optimizer'])
+
+
+def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> None:
+    """``args.yaml`` (the resolved settings), and ``summary.csv`` when resuming with rows."""
+    from ..checkpoint import atomic_write_text
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(cfg.record(), sort_keys=False))
+    if rows:
+        atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(rows))
+
+
+def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, Any], state_meta: Dict[str, Any],
+               improved: bool) -> None:
+    """An epoch's files: ``best.safetensors`` when it improved, ``last.safetensors``, ``state.safetensors`` (to
+    resume from) and ``summary.csv`` (``state_meta['rows']``), each written atomically."""
+    from ..checkpoint import atomic_write_text, save_state, save_weights
+    sd = model.state_dict()
+    if improved:
+        save_weights(os.path.join(out_dir, 'best.safetensors'), sd, meta)
+    save_weights(os.path.join(out_dir, 'last.safetensors'), sd, meta)
+    save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer, state_meta)
+    atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(state_meta['rows']))

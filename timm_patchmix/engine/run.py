@@ -1,0 +1,240 @@
+"""``train(cfg)``: a whole training run, from a :class:`TrainConfig` to its files and a :class:`TrainResult`."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .config import TrainConfig, resolve
+from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
+from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, validate
+from .model import build_model, check_model_fits, resolve_arch
+from .records import ResumePoint, load_resume, resume_settings, save_epoch, weights_meta, write_start
+from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
+
+__all__ = ['TrainResult', 'train']
+
+METRIC_KEYS = {'top1': 'eval_top1', 'top5': 'eval_top5', 'loss': 'eval_loss'}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """A finished run: its resolved config, its folder and files, the per-epoch rows (as in ``summary.csv``), the
+    best epoch by ``--eval-metric`` and the final and best top-1; ``fgsm`` with ``--fgsm``."""
+    config: TrainConfig
+    output: str
+    best_path: str
+    last_path: str
+    state_path: str
+    summary_path: str
+    rows: Tuple[Dict[str, Any], ...]
+    best: Optional[Dict[str, Any]]
+    final_top1: Optional[float]
+    best_top1: Optional[float]
+    fgsm: Optional[Dict[float, float]] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        """``{'output', 'rows', 'best'}`` (and ``'fgsm'``), as ``timm_patchmix.train.main`` returns it."""
+        out = {'output': self.output, 'rows': list(self.rows), 'best': self.best}
+        if self.fgsm is not None:
+            out['fgsm'] = self.fgsm
+        return out
+
+
+def train(cfg: TrainConfig, *, on_step: Optional[Callable[[StepEvent], None]] = None,
+          log_data_config: bool = True) -> TrainResult:
+    """Train as ``cfg`` says, writing ``args.yaml``, ``summary.csv`` and the ``best``/``last``/``state``
+    checkpoints to ``<output>/<experiment>`` (the state's folder when resuming without ``--experiment``).
+
+    ``on_step`` is called after every optimizer step with a :class:`StepEvent`; ``log_data_config`` logs timm's
+    data config block (a caller training several models logs it for the first only). Raises
+    :class:`TrainSetupError` (:class:`ConfigError` for flags) before anything is written when the run cannot start,
+    :class:`~timm_patchmix.settings.SettingsChangedError` for a resume with other settings, and
+    :class:`NonFiniteLossError` when the loss stops being finite (earlier epochs' files stay as they were)."""
+    cfg = cfg.with_recipe()
+    rt = init_runtime(cfg.device)
+    finished = False
+    try:
+        result = _train(cfg, rt, on_step, log_data_config)
+        finished = True
+        return result
+    finally:
+        release_runtime(rt, finished)
+
+
+def _say(rt: Runtime, text: str) -> None:
+    if rt.primary:
+        print(text, flush=True)
+
+
+def _setup(cfg: TrainConfig, rt: Runtime, log_data_config: bool):
+    """Datasets, model and loaders, and the config resolved from them."""
+    seed_all(cfg.seed + rt.rank)
+    data = build_datasets(cfg)
+    cfg = dataclasses.replace(cfg, arch=resolve_arch(cfg.model))
+    model, model_kwargs = build_model(cfg, data.num_classes)
+    model.to(rt.device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    data_config = resolve_data(cfg, model, verbose=log_data_config and rt.primary)
+    cfg = resolve(cfg, model=model, num_classes=data.num_classes, data_config=data_config, world_size=rt.world_size)
+    check_model_fits(cfg, model, rt.device)
+    return cfg, data, model, model_kwargs, build_loaders(cfg, data, rt)
+
+
+def _criterion(cfg: TrainConfig) -> nn.Module:
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    from ..loss import PatchMixLoss
+    if cfg.patchmix or cfg.patch_head:
+        return PatchMixLoss(image_loss=not cfg.no_image_loss, patch_loss=not cfg.no_patch_loss,
+                            patch_weight=cfg.patch_loss_weight)
+    if cfg.mixup_active:
+        return SoftTargetCrossEntropy()
+    if cfg.smoothing:
+        return LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
+    return nn.CrossEntropyLoss()
+
+
+def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
+    """timm's optimizer and scheduler for a resolved ``cfg``; returns them with the number of epochs."""
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+    opt_kwargs = dict(momentum=cfg.momentum)
+    if cfg.opt_eps is not None:
+        opt_kwargs['eps'] = cfg.opt_eps
+    if cfg.opt_betas is not None:
+        opt_kwargs['betas'] = cfg.opt_betas
+    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, **opt_kwargs)
+    scheduler, num_epochs = create_scheduler_v2(
+        optimizer, sched=cfg.sched, num_epochs=cfg.epochs, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
+        cooldown_epochs=cfg.cooldown_epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
+        warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=steps_per_epoch)
+    return optimizer, scheduler, num_epochs
+
+
+def _out_dir(cfg: TrainConfig) -> str:
+    import timm
+    if cfg.resume and not cfg.experiment:
+        return os.path.dirname(os.path.abspath(cfg.resume))
+    exp = cfg.experiment or '-'.join([datetime.now().strftime('%Y%m%d-%H%M%S'),
+                                      timm.models.get_arch_name(cfg.arch).replace('/', '_'),
+                                      'patchmix' if cfg.patchmix else 'base'])
+    return os.path.join(cfg.output or os.path.join('.', 'output', 'train'), exp)
+
+
+def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
+    """The module that trains: compiled with ``--torchcompile``, in DDP over several processes."""
+    if cfg.torchcompile:
+        model = torch.compile(model, backend=cfg.torchcompile)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[rt.device.index] if rt.device.type == 'cuda' else None,
+                    find_unused_parameters=bool(cfg.no_patch_loss or cfg.no_image_loss))
+    return model
+
+
+def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:
+    cfg, data, model, model_kwargs, loaders = _setup(cfg, rt, log_data_config)
+    optimizer, scheduler, num_epochs = _optimization(cfg, model, len(loaders.train))
+    settings = resume_settings(cfg.record())
+    start = load_resume(cfg, settings)
+    if start.model_state is not None:
+        model.load_state_dict(start.model_state)
+        if start.optimizer_state is not None:
+            optimizer.load_state_dict(start.optimizer_state)
+        _say(rt, f'resuming from {cfg.resume} at epoch {start.start_epoch}')
+    if start.start_epoch > 0:
+        scheduler.step(start.start_epoch)
+    autocast, scaler = amp_setup(cfg, rt.device)
+    stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
+                      autocast, scaler, start.updates)
+    out_dir = _out_dir(cfg)
+    if rt.primary:
+        write_start(out_dir, cfg, start.rows)
+        n_params = sum(p.numel() for p in model.parameters())
+        _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {len(data.train)} train / '
+                 f'{len(data.val)} val images, {num_epochs} epochs, batch {cfg.batch_size} x {rt.world_size}, '
+                 f'lr {cfg.lr:g}, output {out_dir}')
+    writer = _EpochWriter(cfg, rt, out_dir, model, optimizer, weights_meta(cfg, model_kwargs, data.class_names),
+                          settings, stepper)
+    rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, writer, on_step)
+    fgsm = _fgsm(cfg, model, data, rt, out_dir) if cfg.fgsm and rt.primary else None
+    return _result(cfg, out_dir, rows, best, fgsm)
+
+
+def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoint, num_epochs: int, save,
+            on_step) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
+    """Train and validate from ``start.start_epoch`` to ``num_epochs``; ``save`` writes each epoch's files."""
+    rows, best = list(start.rows), start.best
+    metric_key = METRIC_KEYS[cfg.eval_metric]
+    off = cfg.patchmix_off_epoch if cfg.patchmix else cfg.mixup_off_epoch
+    for epoch in range(start.start_epoch, num_epochs):
+        seed_all(epoch_seed(cfg.seed, rt.rank, epoch))
+        loaders.generator.manual_seed(epoch_seed(cfg.seed, rt.rank, epoch))
+        loaders.sampler.set_epoch(epoch)
+        if loaders.mixing is not None and (cfg.patchmix or not cfg.patch_head) and off and epoch >= off:
+            loaders.mixing.mixup_enabled = False
+        tr = train_one_epoch(stepper, loaders.train, epoch, rt, on_step)
+        ev = validate(model, loaders.val, cfg, rt.device, stepper.autocast)
+        lr = stepper.optimizer.param_groups[0]['lr']
+        stepper.scheduler.step(epoch + 1, ev[metric_key])
+        row = {'epoch': epoch, 'train_loss': round(tr['train_loss'], 6), 'eval_loss': round(ev['eval_loss'], 6),
+               'eval_top1': round(ev['eval_top1'], 4), 'eval_top5': round(ev['eval_top5'], 4), 'lr': lr,
+               'img_s': round(tr['img_s'], 1)}
+        rows.append(row)
+        score = ev[metric_key]
+        improved = best is None or (score < best['score'] if cfg.eval_metric == 'loss' else score > best['score'])
+        if improved:
+            best = {'score': score, 'epoch': epoch, 'metric': cfg.eval_metric}
+        save(epoch, row, improved, rows, best)
+    return rows, best
+
+
+@dataclass
+class _EpochWriter:
+    """Writes each finished epoch's files (on rank 0) and prints its line."""
+    cfg: TrainConfig
+    rt: Runtime
+    out_dir: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    meta: Dict[str, Any]
+    settings: Dict[str, Any]
+    stepper: Stepper
+
+    def __call__(self, epoch: int, row: Dict[str, Any], improved: bool, rows: List[Dict[str, Any]],
+                 best: Dict[str, Any]) -> None:
+        if not self.rt.primary:
+            return
+        cfg = self.cfg
+        save_epoch(self.out_dir, self.model, self.optimizer, dict(self.meta, epoch=epoch, metrics=row),
+                   {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
+                    'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings}, improved)
+        print(f"epoch {epoch}: train_loss {row['train_loss']:.4f} eval_loss {row['eval_loss']:.4f} top1 "
+              f"{row['eval_top1']:.2f} top5 {row['eval_top5']:.2f} lr {row['lr']:.4g} {row['img_s']:.0f} img/s",
+              flush=True)
+
+
+def _fgsm(cfg: TrainConfig, model, data: Datasets, rt: Runtime, out_dir: str) -> Dict[float, float]:
+    """FGSM top-1 on the validation set for each ``--fgsm`` eps (and 0), written beside the run's files."""
+    from ..data import pixel_transform
+    from ..robustness import fgsm_accuracy, report
+    dc = cfg.data_config
+    data.val.transform = pixel_transform(*dc.input_size)
+    loader = torch.utils.data.DataLoader(data.val, batch_size=cfg.validation_batch_size or cfg.batch_size)
+    res = fgsm_accuracy(model, loader, [0.0] + list(cfg.fgsm), dc.mean, dc.std, rt.device)
+    report(res, out_dir)
+    return res
+
+
+def _result(cfg: TrainConfig, out_dir: str, rows, best, fgsm) -> TrainResult:
+    top1 = [float(r['eval_top1']) for r in rows]
+    return TrainResult(cfg, out_dir, os.path.join(out_dir, 'best.safetensors'),
+                       os.path.join(out_dir, 'last.safetensors'), os.path.join(out_dir, 'state.safetensors'),
+                       os.path.join(out_dir, 'summary.csv'), tuple(rows), best, top1[-1] if top1 else None,
+                       max(top1) if top1 else None, fgsm)

@@ -1,0 +1,134 @@
+"""Loading from the Hub and from checkpoints: ``model_from_weights``, ``load_model`` with the checks a download
+deserves, and the plain backbone of a patchhead model (``load_backbone``, ``export_backbone``)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import timm
+
+from ..checkpoint import CheckpointError, load_weights, save_weights
+from ..validation import Fields, check_hub_config
+
+__all__ = ['model_from_weights', 'load_model', 'load_backbone', 'backbone_state_dict', 'export_backbone']
+
+_SOURCES = ('hf-hub:', 'local-dir:')
+
+
+def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Build the model recorded in ``path``'s metadata, load its weights strictly, return ``(model, meta)``."""
+    state, meta = load_weights(path)
+    arch = meta.get('model')
+    if not arch:
+        raise CheckpointError(f'{path} carries no timm_patchmix metadata naming its model; build the model '
+                              f'yourself and load the file with safetensors.torch.load_file')
+    _check_registered(arch, path)
+    kwargs = dict(meta.get('model_kwargs') or {})
+    kwargs.update(num_classes=meta.get('num_classes'), **overrides)
+    try:
+        model = timm.create_model(arch, **kwargs)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
+                              f'{kwargs}: {e}') from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f'{path} does not fit {arch}: missing {list(missing)[:5]}, '
+                              f'unexpected {list(unexpected)[:5]}')
+    return model.eval(), meta
+
+
+def _check_registered(arch: str, where: str) -> None:
+    if timm.is_model(arch):
+        return
+    hint = (f'`import timm_patchmix` before creating the model (it registers patchhead_<arch> for every timm '
+            f'architecture); if it is imported, {arch[len("patchhead_"):]!r} is not an architecture of the '
+            f'installed timm {timm.__version__}' if arch.startswith('patchhead_') else
+            'the installed timm does not know it (an older timm, or a model from another library)')
+    raise CheckpointError(f'{where} names the architecture {arch!r}, which is not a registered timm model: {hint}')
+
+
+# --- reading a Hub folder / repo config -------------------------------------------------------------------------
+def _read_config(source: str, cache_dir=None) -> Dict[str, Any]:
+    """``config.json`` of ``hf-hub:<repo>`` or ``local-dir:<folder>``, with a clear error when it is missing or bad."""
+    kind, _, ident = source.partition(':')
+    if kind == 'local-dir':
+        path = os.path.join(ident, 'config.json')
+        if not os.path.isfile(path):
+            raise CheckpointError(f'{ident} has no config.json; a Hub folder from `python -m timm_patchmix.hub '
+                                  f'export` holds config.json and model.safetensors')
+    else:
+        from ..compat import download_from_hf
+        path = download_from_hf(ident, 'config.json', cache_dir=cache_dir)
+    try:
+        with open(path, encoding='utf-8') as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f'{source}: config.json is not readable JSON ({e})') from e
+    if not isinstance(cfg, dict) or not isinstance(cfg.get('architecture'), str):
+        raise CheckpointError(f'{source}: config.json names no architecture; it is not a timm model config')
+    check_hub_config(cfg, Fields(f'{source}: config.json', CheckpointError))
+    return cfg
+
+
+def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
+    """``timm.create_model`` with the checks a downloaded model deserves: the config's architecture must be
+    registered (else an error saying to ``import timm_patchmix``), and damaged weights give an error that says how
+    to fetch them again. ``name``: ``hf-hub:<repo>``, ``local-dir:<folder>``, a tag such as
+    ``patchhead_resnet50.gpm_in1k``, or any timm name."""
+    if name.startswith(_SOURCES):
+        _check_registered(_read_config(name, kwargs.get('cache_dir'))['architecture'], name)
+    return timm.create_model(name, pretrained=pretrained, **kwargs)
+
+
+# --- the plain backbone -----------------------------------------------------------------------------------------
+def _patchhead(source) -> nn.Module:
+    if isinstance(source, nn.Module):
+        return source
+    if os.path.isfile(source):
+        return model_from_weights(source)[0]
+    return load_model(source, pretrained=True)
+
+
+def backbone_state_dict(source) -> Tuple[str, Dict[str, torch.Tensor], Dict[str, Any]]:
+    """``(arch, state_dict, pretrained_cfg)`` of the trunk (and image head) of a patchhead model: the
+    ``backbone.`` weights under the plain model's own names, the patch head left out."""
+    model = _patchhead(source)
+    from ..models import PatchHeadModel
+    if not isinstance(model, PatchHeadModel):
+        raise CheckpointError(f'{source} is not a patchhead_ model')
+    arch = model.pretrained_cfg['architecture'][len('patchhead_'):]
+    state = {k[len('backbone.'):]: v for k, v in model.state_dict().items() if k.startswith('backbone.')}
+    cfg = {k: model.pretrained_cfg.get(k) for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')
+           if model.pretrained_cfg.get(k) is not None}
+    cfg['num_classes'] = model.num_classes
+    return arch, state, cfg
+
+
+def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Module:
+    """A plain timm model (``resnet50``, not ``patchhead_resnet50``) with the PatchMix-trained trunk of ``source``
+    (a patchhead model, a ``train.py`` checkpoint, ``hf-hub:``/``local-dir:`` or a registered tag).
+
+    Loading goes through timm's ``pretrained_cfg_overlay``, so timm's own adaptation applies: a different
+    ``num_classes`` re-initialises the classifier, ``in_chans`` adapts the stem. ``kwargs`` go to timm.
+    """
+    src = _patchhead(source)
+    arch, state, cfg = backbone_state_dict(src)
+    for k, v in (getattr(src, '_model_args', None) or {}).items():
+        if k not in ('grid', 'per_position', 'num_classes'):
+            kwargs.setdefault(k, v)
+    kwargs.pop('pretrained_model_args', None)
+    overlay = dict(cfg, state_dict=state, hf_hub_id=None, url=None, file=None)
+    return timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=overlay,
+                             num_classes=cfg['num_classes'] if num_classes is None else num_classes, **kwargs)
+
+
+def export_backbone(source, path: str) -> str:
+    """Write the plain backbone's state dict as safetensors (atomically), for timm's documented file overlay:
+    ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path, num_classes=C))``."""
+    arch, state, cfg = backbone_state_dict(source)
+    save_weights(path, state, {'model': arch, 'num_classes': cfg['num_classes'], 'data': cfg,
+                               'exported_from': str(source) if not isinstance(source, nn.Module) else None})
+    return path

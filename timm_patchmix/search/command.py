@@ -1,0 +1,153 @@
+"""The search's command line (``search.py``, ``python -m timm_patchmix.search``, ``timm-patchmix search``): flags into
+a :class:`~.config.SearchConfig`, :func:`~.run.search`, errors into exit statuses.
+
+Exit statuses: 0 done; 2 a usage error (a bad flag value, or a resume with changed settings, each difference named);
+1 a search that cannot run (a checkpoint, dataset or state that does not fit), with a one-line ``error:`` message.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import CheckpointError
+from ..cli_types import (directory, existing_file, int_range, nonneg_int, optional_directory, positive_int,
+                         probability)
+from ..grid import grid_from_flag
+from ..settings import USAGE_ERROR, SettingsChangedError
+from ..table import MaskTable
+from .config import SCORES, SearchConfig
+from .inputs import SearchError
+from .run import search
+
+__all__ = ['build_parser', 'parse_config', 'config_from_args', 'main', 'cli']
+
+EPILOG = '''examples:
+  # the paper's settings, f_T from train.py --model patchhead_resnet32_cifar --patchmix
+  {prog} --checkpoint output/train/rpm/best.safetensors --output output/search
+  # a short search; then the same command with --resume continues an interrupted one
+  {prog} --checkpoint ft.safetensors --population 100 --generations 30 --k 8
+  # new genes scored on two processes
+  torchrun --nproc_per_node 2 search.py --checkpoint ft.safetensors'''
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter, prog_name
+    prog = prog_name('timm_patchmix.search')
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=HelpFormatter, epilog=EPILOG.format(prog=prog),
+        description='Evolutionary search (DEAP) over class pairs and PatchMix masks, scored by a Random-PatchMix '
+                    'model f_T\nwithout retraining. Writes masks.json (for train.py --patchmix-table), logbook.csv, '
+                    'fitness.png,\npairs.png and search_state.safetensors (to --resume from) to --output.')
+    p.add_argument('--checkpoint', required=True, type=existing_file,
+                   help='weights of a Random-PatchMix patchhead_ model (train.py --model patchhead_<arch> --patchmix)')
+    p.add_argument('--output', default='output/search', type=directory,
+                   help='folder for the table, logbook, plots and state')
+    d = p.add_argument_group('data (default: as the checkpoint was trained)')
+    d.add_argument('--dataset', default=None, help="dataset name (default: the checkpoint's)")
+    d.add_argument('--data-dir', default=None, type=optional_directory, help="dataset folder (default: the checkpoint's)")
+    d.add_argument('--val-split', default=None, help="split the genes are scored on (default: the checkpoint's "
+                   "validation split)")
+    d.add_argument('--val-subset', type=positive_int, default=None,
+                   help='score on a fixed random subset of this many images (default: the whole split)')
+    d.add_argument('--grid', type=positive_int, nargs='+', default=None, metavar='N',
+                   help="P or rows cols; must match the model's grid (default: the model's)")
+    d.add_argument('--num-classes', type=positive_int, default=None,
+                   help="must match the dataset's number of classes (default: the dataset's)")
+    g = p.add_argument_group('evolution (the paper\'s Algorithm 2)')
+    g.add_argument('--population', type=int_range(2, name='population'), default=500, help='individuals')
+    g.add_argument('--generations', type=nonneg_int, default=250, help='generations after the initial population')
+    g.add_argument('--n-active', type=positive_int, default=None,
+                   help='N, the most active pairs of an individual (default: the number of classes)')
+    g.add_argument('--k', type=positive_int, default=16, help='fixed validation image pairs per class pair')
+    g.add_argument('--cxpb', type=probability, default=0.5, help='crossover probability')
+    g.add_argument('--mutpb', type=probability, default=0.3, help='mutation probability')
+    g.add_argument('--tournsize', type=positive_int, default=3, help='tournament size of the selection')
+    g.add_argument('--hof', type=positive_int, default=10, help='hall-of-fame size')
+    g.add_argument('--patience', type=nonneg_int, default=50,
+                   help='stop after this many generations without a better best (0: never)')
+    g.add_argument('--fitness', choices=('min', 'max'), default='min',
+                   help="'min' selects the hardest samples (the paper), 'max' the easiest")
+    g.add_argument('--score', choices=SCORES, default='accuracy',
+                   help='per-gene score: patch accuracy of f_T (the paper) or patch cross-entropy')
+    g.add_argument('--same-class-pairs', action='store_true', default=False,
+                   help='also search masks for (c, c) pairs, always active')
+    g.add_argument('--seed', type=nonneg_int, default=0, help='seed of the image pairs and of the evolution')
+    r = p.add_argument_group('running')
+    r.add_argument('--eval-batch-size', type=positive_int, default=512, help='images per forward pass of f_T')
+    r.add_argument('--device', default=None, help='device of f_T (default: cuda when available, else cpu)')
+    r.add_argument('--amp', action='store_true', default=False, help='score in mixed precision (CUDA)')
+    r.add_argument('--channels-last', action='store_true', default=False, help='channels-last memory format')
+    r.add_argument('--resume', action='store_true', default=False,
+                   help='continue from OUTPUT/search_state.safetensors (the settings must be the same)')
+    r.add_argument('--no-progress', action='store_true', default=False,
+                   help='a line per generation instead of a progress bar')
+    r.add_argument('--no-plots', action='store_true', default=False, help='skip fitness.png and pairs.png')
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SearchConfig:
+    """The config of parsed flags (``ValueError`` for values no flag type rules out, e.g. ``--grid 2 3 4``)."""
+    return SearchConfig(
+        checkpoint=args.checkpoint, output=args.output, dataset=args.dataset, data_dir=args.data_dir,
+        val_split=args.val_split, val_subset=args.val_subset,
+        grid=None if args.grid is None else grid_from_flag(args.grid, '--grid'), num_classes=args.num_classes,
+        population=args.population, generations=args.generations, n_active=args.n_active, k=args.k,
+        cxpb=args.cxpb, mutpb=args.mutpb, tournsize=args.tournsize, hof=args.hof, patience=args.patience,
+        fitness=args.fitness, score=args.score, same_class_pairs=args.same_class_pairs,
+        eval_batch_size=args.eval_batch_size, seed=args.seed, device=args.device, amp=args.amp,
+        channels_last=args.channels_last, resume=args.resume, progress=not args.no_progress,
+        plots=not args.no_plots)
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> SearchConfig:
+    """Flags -> config; a bad value exits 2 with the usage message, as argparse does."""
+    parser = build_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        return config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _distributed(cfg: SearchConfig) -> SearchConfig:
+    """Under torchrun (WORLD_SIZE > 1), join the process group; on CUDA each rank takes its LOCAL_RANK device."""
+    if int(os.environ.get('WORLD_SIZE', '1')) <= 1 or dist.is_initialized():
+        return cfg
+    use_cuda = torch.cuda.is_available() and (cfg.device or 'cuda').startswith('cuda')
+    dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
+    return cfg.replace(device=f'cuda:{int(os.environ.get("LOCAL_RANK", "0"))}') if use_cuda else cfg
+
+
+def main(argv: Optional[List[str]] = None) -> MaskTable:
+    """Run the search of these flags and return its table. A search that cannot run exits with its one-line
+    ``error:`` message (``SystemExit``); a resume with changed settings raises ``SettingsChangedError``."""
+    cfg = parse_config(argv)
+    logging.basicConfig(level=logging.INFO, format='%(message)s')
+    cfg = _distributed(cfg)
+    try:
+        result = search(cfg)
+    except (SearchError, CheckpointError) as e:
+        raise SystemExit(f'error: {e}') from None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f'best fitness {result.best_fitness:.4f} with {len(result.table.pairs)} pairs; wrote '
+              f'{result.table_path}')
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result.table
+
+
+def cli(argv: Optional[List[str]] = None) -> int:
+    """The command line's exit status: 0 done, 2 for changed settings on a resume (exits 2 or 1 on other errors)."""
+    try:
+        main(argv)
+    except SettingsChangedError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return USAGE_ERROR
+    return 0

@@ -1,0 +1,174 @@
+"""What a search is asked to do (:class:`SearchConfig`, resolved once from flags or built in code), how its
+population evolves (:class:`Evolution`, all the core loop needs), and what it returns (:class:`SearchResult`).
+
+Both settings classes are frozen and check their values when built, so a bad value fails where it is given with a
+``ValueError`` that names the field, not generations later.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from ..grid import GridSpec, to_grid
+from ..table import MaskTable
+
+__all__ = ['Evolution', 'SearchConfig', 'SearchResult']
+
+FITNESS = ('min', 'max')
+SCORES = ('accuracy', 'loss')
+
+
+def _int(name: str, value: Any, lo: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f'{name} must be an integer >= {lo}{" or None" if optional else ""}, got {value!r}')
+
+
+def _probability(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value <= 1.0):
+        raise ValueError(f'{name} must be a probability in [0, 1], got {value!r}')
+
+
+def _choice(name: str, value: Any, choices: Tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f'{name} must be one of {", ".join(map(repr, choices))}, got {value!r}')
+
+
+@dataclass(frozen=True)
+class Evolution:
+    """How the population evolves (the paper's Algorithm 2 with DEAP).
+
+    Attributes:
+        population: individuals per generation.
+        generations: the last generation (0 is the initial population).
+        n_active: N, the most active pairs of an individual (None: the number of classes).
+        cxpb, mutpb: crossover and mutation probabilities of DEAP's ``varAnd``.
+        tournsize: tournament size of the selection.
+        hof: hall-of-fame size.
+        patience: stop after this many generations without a better best (0: never).
+        fitness: ``'min'`` selects the hardest samples (the paper), ``'max'`` the easiest.
+        seed: seeds the operators, the selection and the initial population.
+    """
+    population: int = 500
+    generations: int = 250
+    n_active: Optional[int] = None
+    cxpb: float = 0.5
+    mutpb: float = 0.3
+    tournsize: int = 3
+    hof: int = 10
+    patience: int = 50
+    fitness: str = 'min'
+    seed: int = 0
+
+    def __post_init__(self):
+        _int('population', self.population, 2)
+        _int('generations', self.generations, 0)
+        _int('n_active', self.n_active, 1, optional=True)
+        _probability('cxpb', self.cxpb)
+        _probability('mutpb', self.mutpb)
+        _int('tournsize', self.tournsize, 1)
+        _int('hof', self.hof, 1)
+        _int('patience', self.patience, 0)
+        _choice('fitness', self.fitness, FITNESS)
+        _int('seed', self.seed, 0)
+
+
+_E = Evolution()
+# how a search runs rather than what it searches: left out of the record in the table and state
+RUNTIME_FIELDS = ('output', 'device', 'resume', 'progress', 'plots')
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """One search, as ``search.py``'s flags give it (each field is the flag of the same name).
+
+    ``None`` means "the checkpoint's" for dataset, data_dir, val_split, grid and num_classes (a given grid or
+    number of classes is checked against the model's), "the number of classes" for n_active and "CUDA when
+    available" for device. ``grid`` takes ``P`` or ``(rows, cols)`` and is kept as ``(rows, cols)``.
+    """
+    checkpoint: str
+    output: str = 'output/search'
+    dataset: Optional[str] = None
+    data_dir: Optional[str] = None
+    val_split: Optional[str] = None
+    val_subset: Optional[int] = None
+    grid: Optional[GridSpec] = None
+    num_classes: Optional[int] = None
+    population: int = _E.population
+    generations: int = _E.generations
+    n_active: Optional[int] = _E.n_active
+    k: int = 16
+    cxpb: float = _E.cxpb
+    mutpb: float = _E.mutpb
+    tournsize: int = _E.tournsize
+    hof: int = _E.hof
+    patience: int = _E.patience
+    fitness: str = _E.fitness
+    score: str = 'accuracy'
+    same_class_pairs: bool = False
+    eval_batch_size: int = 512
+    seed: int = _E.seed
+    device: Optional[str] = None
+    amp: bool = False
+    channels_last: bool = False
+    resume: bool = False
+    progress: bool = True
+    plots: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.checkpoint, str) or not self.checkpoint:
+            raise ValueError(f'checkpoint must be the path of a patch-head model, got {self.checkpoint!r}')
+        if not isinstance(self.output, str) or not self.output:
+            raise ValueError(f'output must be a folder path, got {self.output!r}')
+        if self.grid is not None:
+            object.__setattr__(self, 'grid', to_grid(self.grid, 'grid'))
+        _int('val_subset', self.val_subset, 1, optional=True)
+        _int('num_classes', self.num_classes, 1, optional=True)
+        _int('k', self.k, 1)
+        _choice('score', self.score, SCORES)
+        _int('eval_batch_size', self.eval_batch_size, 1)
+        self.evolution()  # checks the fields it takes
+
+    def evolution(self) -> Evolution:
+        """The settings of the core loop."""
+        return Evolution(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Evolution)})
+
+    def replace(self, **changes) -> 'SearchConfig':
+        """A copy with ``changes`` (checked like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+    def record(self) -> Dict[str, Any]:
+        """What was searched, as JSON values: the ``search_args`` of the table and the state (runtime fields,
+        such as the output folder, left out)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name not in RUNTIME_FIELDS:
+                v = getattr(self, f.name)
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What :func:`~timm_patchmix.search.search` returns.
+
+    Attributes:
+        table: the mask table of the best individual (also saved at ``table_path``).
+        table_path: ``<output>/masks.json``.
+        output: the folder of the table, logbook, plots and state.
+        best_fitness: the best individual's fitness.
+        generations: the last generation run (0: only the initial population).
+        stopped_early: True when ``patience`` generations passed without a better best.
+        logbook: one row per generation, 0 first (the columns of ``logbook.csv``).
+        forward_images: images the model scored in the whole search, resumed parts included.
+    """
+    table: MaskTable
+    table_path: str
+    output: str
+    best_fitness: float
+    generations: int
+    stopped_early: bool
+    logbook: Tuple[Dict[str, Any], ...]
+    forward_images: int

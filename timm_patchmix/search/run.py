@@ -1,0 +1,80 @@
+"""``search(cfg)``: a whole search from files to files. It builds the search from the checkpoint (resuming when asked),
+checkpoints after every generation, and writes ``masks.json``, ``logbook.csv`` and the plots to ``cfg.output``.
+
+Under ``torchrun`` (an initialised process group) every rank scores its share of the new genes; rank 0 alone writes.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+from ..checkpoint import atomic_write_text
+from .config import SearchConfig, SearchResult
+from .core import GenerationCallback, Search
+
+__all__ = ['search', 'write_logbook']
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = None) -> SearchResult:
+    """Run the search ``cfg`` describes and return its result; the files go to ``cfg.output``.
+
+    ``on_generation(search, row)`` runs after each generation's state is saved (generation 0, the initial
+    population, included), so a caller can watch the run or stop it there and resume it later with
+    ``cfg.replace(resume=True)``. Raises ``SearchError``, ``CheckpointError`` or ``SettingsChangedError`` (a resume
+    with other settings) before anything is written.
+    """
+    from tqdm import tqdm
+    s = Search.from_checkpoint(cfg)
+    rank = _rank()
+    if rank == 0:
+        os.makedirs(cfg.output, exist_ok=True)
+        print(f'search: {s.num_classes} classes, {len(s.space)} pairs, N={s.n_active}, K={cfg.k}, population '
+              f'{cfg.population}, {cfg.generations} generations, grid {s.grid[0]}x{s.grid[1]}, fitness '
+              f'{cfg.fitness} {cfg.score}', flush=True)
+    bar = tqdm(total=cfg.generations, initial=s.gen, desc='search', unit='gen',
+               disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
+
+    def after(search_: Search, row: Dict[str, Any]) -> None:
+        if rank == 0:
+            search_.save_state()
+        if row['gen'] > 0:  # generation 0 is the initial population, before the bar's first step
+            bar.update(1)
+            bar.set_postfix(best=f"{row['hof_best']:.4f}", mean=f"{row['mean']:.4f}",
+                            hit=f"{row['cache_hit_rate']:.2f}")
+            if not cfg.progress and rank == 0:
+                print(f"gen {row['gen']}: best {row['hof_best']:.4f} mean {row['mean']:.4f} new genes "
+                      f"{row['new_genes']} hit rate {row['cache_hit_rate']:.3f}", flush=True)
+        if on_generation is not None:
+            on_generation(search_, row)
+    try:
+        table = s.run(on_generation=after)
+    finally:
+        bar.close()
+    path = os.path.join(cfg.output, 'masks.json')
+    if rank == 0:
+        table.save(path)
+        write_logbook(s.logbook, os.path.join(cfg.output, 'logbook.csv'))
+        if cfg.plots:
+            from ..viz import plot_fitness, plot_pairs
+            plot_fitness(s.logbook, os.path.join(cfg.output, 'fitness.png'), cfg.fitness, cfg.score)
+            plot_pairs(table, os.path.join(cfg.output, 'pairs.png'))
+    return SearchResult(table=table, table_path=path, output=cfg.output, best_fitness=table.best_fitness,
+                        generations=s.gen, stopped_early=s.gen < cfg.generations, logbook=tuple(s.logbook),
+                        forward_images=s.scorer.forward_images)
+
+
+def write_logbook(rows: List[Dict[str, Any]], path: str) -> None:
+    """The logbook as CSV, one row per generation (atomically)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()), lineterminator='\n')
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(path, buf.getvalue())

@@ -1,0 +1,135 @@
+"""The mask table a search writes and guided training reads: its JSON schema, the dataset fingerprint that ties it to
+a label set, an atomic save and a load that checks every field (errors name the file and the field)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .checkpoint import atomic_write_text
+from .validation import Fields, is_int
+
+__all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION']
+
+SCHEMA_VERSION = 1
+
+
+class MaskTableError(ValueError):
+    """A mask table that is corrupt, of another schema, or made for another grid, label set or dataset."""
+
+
+def dataset_fingerprint(dataset: str, class_names: Sequence[str]) -> str:
+    """A short hash naming a dataset by its name and ordered class names (the same for every split)."""
+    doc = json.dumps({'dataset': dataset or 'patchshapes', 'classes': list(class_names)}, sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+@dataclass
+class MaskTable:
+    """Searched class pairs and their ``rows x cols`` masks (True: the cell comes from the first class's image)."""
+    grid: Tuple[int, int]
+    num_classes: int
+    class_names: List[str]
+    fingerprint: str
+    pairs: List[Tuple[int, int]]
+    masks: List[np.ndarray]
+    scores: List[float]
+    best_fitness: float
+    search_args: Dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        doc = {
+            'schema_version': self.schema_version,
+            'grid': list(self.grid),
+            'num_classes': self.num_classes,
+            'class_names': list(self.class_names),
+            'dataset_fingerprint': self.fingerprint,
+            'best_fitness': self.best_fitness,
+            'pairs': [{'classes': [int(i), int(j)],
+                       'names': [self.class_names[i], self.class_names[j]] if self.class_names else None,
+                       'mask': np.asarray(m, dtype=int).tolist(), 'score': float(s)}
+                      for (i, j), m, s in zip(self.pairs, self.masks, self.scores)],
+            'search_args': self.search_args,
+        }
+        return json.dumps(doc, indent=1)
+
+    def save(self, path: str) -> None:
+        atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def _from_doc(cls, doc: Dict[str, Any], f: Fields) -> 'MaskTable':
+        """A table from its JSON document, every field checked for type and range (errors name the field)."""
+        for key in ('grid', 'num_classes', 'dataset_fingerprint', 'pairs'):
+            if key not in doc:
+                raise f.error(f'{f.where}: the field {key!r} is missing')
+        rows, cols = f.grid(doc['grid'], 'grid')
+        n = f.int(doc['num_classes'], 'num_classes', lo=1)
+        names = doc.get('class_names')
+        names = [] if names is None or names == [] else list(f.str_list(names, 'class_names', n))
+        fingerprint = f.str(doc['dataset_fingerprint'], 'dataset_fingerprint', nonempty=True)
+        entries = f.list(doc['pairs'], 'pairs')
+        if not entries:
+            raise f.error(f'{f.where} holds no pairs')
+        pairs, masks, scores, seen = [], [], [], {}
+        for k, e in enumerate(entries):
+            field_k = f'pairs[{k}]'
+            f.dict(e, field_k)
+            if 'classes' not in e or 'mask' not in e:
+                raise f.error(f'{f.where}: {field_k} needs the fields "classes" and "mask", got {sorted(e)}')
+            ij = f.list(e['classes'], f'{field_k}.classes', 2)
+            i, j = (f.int(v, f'{field_k}.classes[{q}]', lo=0, hi=n - 1) for q, v in enumerate(ij))
+            key = (min(i, j), max(i, j))
+            if key in seen:
+                raise f.error(f'{f.where}: {field_k} repeats the class pair of pairs[{seen[key]}] ({i}, {j}); '
+                              f'each pair may appear once')
+            seen[key] = k
+            mask = f.list(e['mask'], f'{field_k}.mask', rows)
+            for r, row in enumerate(mask):
+                f.list(row, f'{field_k}.mask[{r}]', cols)
+                for c, v in enumerate(row):
+                    if not (isinstance(v, bool) or (is_int(v) and v in (0, 1))):
+                        f.fail(f'{field_k}.mask[{r}][{c}]', '0 or 1 (an integer or a boolean)', v)
+            pair_names = e.get('names')
+            if pair_names is not None and names:
+                if pair_names != [names[i], names[j]]:
+                    f.fail(f'{field_k}.names', f'the class names of ({i}, {j}), {[names[i], names[j]]!r}', pair_names)
+            score = e.get('score', float('nan'))
+            pairs.append((i, j))
+            masks.append(np.array(mask, dtype=bool).reshape(rows, cols))
+            scores.append(float(f.number(score, f'{field_k}.score')))
+        best = float(f.number(doc.get('best_fitness', float('nan')), 'best_fitness'))
+        search_args = doc.get('search_args')
+        search_args = {} if search_args is None else dict(f.dict(search_args, 'search_args'))
+        return cls((rows, cols), n, names, fingerprint, pairs, masks, scores, best, search_args)
+
+    @classmethod
+    def load(cls, path: str, *, grid: Optional[Tuple[int, int]] = None, num_classes: Optional[int] = None,
+             fingerprint: Optional[str] = None) -> 'MaskTable':
+        """Read and validate a table; the keyword arguments are the run's values it must match."""
+        try:
+            with open(path, encoding='utf-8') as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            raise MaskTableError(f'mask table {path} does not exist') from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MaskTableError(f'mask table {path} is not valid JSON (truncated or corrupt?): {e}') from None
+        except OSError as e:
+            raise MaskTableError(f'mask table {path} cannot be read: {e}') from None
+        got = doc.get('schema_version') if isinstance(doc, dict) else None
+        if not is_int(got) or got != SCHEMA_VERSION:
+            raise MaskTableError(f'mask table {path} has schema version {got!r}; this version of timm_patchmix '
+                                 f'reads version {SCHEMA_VERSION}')
+        table = cls._from_doc(doc, Fields(f'mask table {path}', MaskTableError))
+        if grid is not None and tuple(grid) != table.grid:
+            raise MaskTableError(f'mask table {path} was searched for a {table.grid[0]}x{table.grid[1]} grid, '
+                                 f'this run uses {grid[0]}x{grid[1]}')
+        if num_classes is not None and num_classes != table.num_classes:
+            raise MaskTableError(f'mask table {path} is for {table.num_classes} classes, this run has {num_classes}')
+        if fingerprint is not None and fingerprint != table.fingerprint:
+            raise MaskTableError(f'mask table {path} was searched on another dataset (fingerprint '
+                                 f'{table.fingerprint}, this run {fingerprint})')
+        return table
