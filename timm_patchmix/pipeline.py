@@ -270,7 +270,7 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
     ranking = ranking_note(args.budget, list(args.seeds), summary)
     versions = {'timm_patchmix': __version__, 'torch': torch.__version__, 'timm': timm.__version__}
     seeds = ', '.join(str(s) for s in args.seeds)
-    spread = ('mean ± std over seeds' if len(args.seeds) > 1 else 'one seed, so single runs and no ±')
+    spread = 'mean ± std over seeds' if len(args.seeds) > 1 else 'one seed, so single runs with no spread'
     lines = [f'# PatchMix pipeline: {args.dataset or "patchshapes (embedded)"}, {args.model}, budget {args.budget}',
              '', budget_text(budget), '',
              f'Seeds: {seeds}. Top-1 (%) on the validation split, final epoch (and best epoch); {spread}.', '',
