@@ -410,6 +410,7 @@ _atomic(sys.argv[1], die)
 '''
 
 
+@pytest.mark.slow
 def test_stale_temporaries_are_cleaned_by_the_next_run(ckpt, tmp_path):
     run = tmp_path / 'run'
     run.mkdir()

@@ -35,14 +35,12 @@ def run(*argv, timeout=300):
 
 
 # --- console scripts ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_console_scripts_run():
     top = run(script('timm-patchmix'), '--help')
     assert top.returncode == 0, top.stderr
     for name in cli.COMMANDS:
         assert name in top.stdout
-    train = run(script('timm-patchmix'), 'train', '--help')
-    assert train.returncode == 0, train.stderr
-    assert train.stdout.startswith('usage: timm-patchmix train') and '--patchmix' in train.stdout
     bad = run(script('timm-patchmix'), 'train', '--no-such-flag')
     assert bad.returncode == 2 and 'unrecognized arguments: --no-such-flag' in bad.stderr
     unknown = run(script('timm-patchmix'), 'nonsense')

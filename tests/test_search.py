@@ -292,6 +292,7 @@ search(parse_config(sys.argv[2:]), on_generation=kill)
 """
 
 
+@pytest.mark.slow
 def test_resume_after_kill_gives_identical_table(ckpt, tmp_path):
     base = ['--checkpoint', ckpt] + SMALL + ['--generations', '6']
     full = run_cli(base + ['--output', str(tmp_path / 'full')])
@@ -308,6 +309,7 @@ def test_resume_after_kill_gives_identical_table(ckpt, tmp_path):
     assert (tmp_path / 'full' / 'logbook.csv').read_text().count('\n') == 8  # header + generations 0..6
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one(ckpt, tmp_path):
     base = ['--checkpoint', ckpt] + SMALL
     one = run_cli(base + ['--output', str(tmp_path / 'one')])

@@ -92,6 +92,7 @@ def test_modes_train_and_write_outputs(tmp_path, flags, model, grid):
     assert recorded['grid'] == (grid or [4, 4]) and recorded['num_classes'] == 10
 
 
+@pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
     # on the CPU, also where a GPU is present: bit-identical replays need deterministic kernels
     args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path), '--device', 'cpu']
@@ -118,6 +119,7 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_two_process_ddp_gloo(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
     cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix', '--device', 'cpu',

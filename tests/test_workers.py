@@ -115,6 +115,7 @@ def _ddp_rank(rank, world, init_file, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_collate_mixer_under_ddp_two_ranks(tmp_path):
     """Two gloo ranks, each with a loader worker and its share of the data (DistributedSampler)."""
     import torch.multiprocessing as mp
