@@ -181,7 +181,7 @@ def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] 
 
 
 def _search(args, seed: int, checkpoint: str) -> str:
-    from .search import main as search_main
+    from .search import parse_config, search
     folder = os.path.join(args.output, f'seed{seed}', 'search')
     table = os.path.join(folder, 'masks.json')
     _begin_phase(args, folder, _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
@@ -192,7 +192,9 @@ def _search(args, seed: int, checkpoint: str) -> str:
     if os.path.isfile(os.path.join(folder, 'search_state.safetensors')):
         flags.append('--resume')
     print(f'[seed {seed}] searching class pairs and masks', flush=True)
-    search_main(flags)
+    result = search(parse_config(flags))
+    print(f'best fitness {result.best_fitness:.4f} with {len(result.table.pairs)} pairs; wrote {result.table_path}',
+          flush=True)
     _mark(folder, {'table': table})
     return table
 
@@ -356,14 +358,16 @@ def main(argv=None, *, on_train_step=None) -> str:
 
 
 def cli(argv=None) -> int:
+    from .checkpoint import CheckpointError
     from .engine import ConfigError, NonFiniteLossError, TrainSetupError
+    from .search import SearchError
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
         main(argv)
     except (SettingsChangedError, ConfigError) as e:  # a rerun with changed settings; flags a training cannot use
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
-    except TrainSetupError as e:  # a training phase cannot start (a missing dataset...)
+    except (TrainSetupError, SearchError, CheckpointError) as e:  # a phase cannot start (a missing dataset...)
         print(f'error: {e}', file=sys.stderr)
         return 1
     except NonFiniteLossError as e:  # a training phase diverged; rerunning resumes from its last finished epoch
