@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .validation import Fields, check_weights_meta, is_int
+from .validation import Fields, check_python_rng, check_weights_meta
 
 __all__ = ['atomic_write_bytes', 'atomic_write_text', 'save_weights', 'load_weights', 'save_state', 'load_state',
            'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle', 'clean_stale_temps',
@@ -204,13 +204,7 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
     f.int(np_state[1], 'rng.numpy[1]', lo=0, hi=624)
     f.int(np_state[2], 'rng.numpy[2]', lo=0, hi=1)
     f.number(np_state[3], 'rng.numpy[3]')
-    py = f.list(rng.get('python'), 'rng.python', 3)
-    f.int(py[0], 'rng.python[0]')
-    internal = f.list(py[1], 'rng.python[1]', 625)
-    if not all(is_int(v) and 0 <= v <= 0xFFFFFFFF for v in internal):
-        f.fail('rng.python[1]', '625 integers of the Mersenne Twister state', internal)
-    if py[2] is not None:
-        f.number(py[2], 'rng.python[2]')
+    check_python_rng(f, rng.get('python'), 'rng.python')
 
 
 def load_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:

@@ -12,7 +12,7 @@ import math
 from typing import Any, Callable, Dict, Optional, Type
 
 __all__ = ['Fields', 'is_int', 'is_number', 'MODEL_KWARGS', 'check_model_kwargs', 'check_weights_meta',
-           'check_hub_config']
+           'check_hub_config', 'check_python_rng']
 
 
 def is_int(v: Any) -> bool:
@@ -215,3 +215,14 @@ def check_hub_config(cfg: Dict[str, Any], f: Fields) -> Dict[str, Any]:
         if pcfg.get('input_size') is not None:
             f.input_size(pcfg['input_size'], 'pretrained_cfg.input_size')
     return cfg
+
+
+def check_python_rng(f: 'Fields', value: Any, field: str) -> None:
+    """``value`` as ``random.getstate()`` returns it (version, 625 Mersenne Twister words, gauss_next), from JSON."""
+    py = f.list(value, field, 3)
+    f.int(py[0], f'{field}[0]')
+    internal = f.list(py[1], f'{field}[1]', 625)
+    if not all(is_int(v) and 0 <= v <= 0xFFFFFFFF for v in internal):
+        f.fail(f'{field}[1]', '625 integers of the Mersenne Twister state', internal)
+    if py[2] is not None:
+        f.number(py[2], f'{field}[2]')

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError
-from ..validation import Fields, is_int
+from ..validation import Fields, check_python_rng, is_int
 from .genome import Individual
 
 __all__ = ['pack_individuals', 'unpack_individuals', 'check_search_meta', 'check_search_tensors']
@@ -57,13 +57,7 @@ def check_search_meta(path: str, meta: Dict[str, Any]) -> None:
     f.int(meta.get('num_classes'), 'num_classes', lo=1)
     f.str(meta.get('fingerprint'), 'fingerprint', nonempty=True)
     f.dict(meta.get('rng_numpy'), 'rng_numpy')
-    py = f.list(meta.get('rng_python'), 'rng_python', 3)
-    f.int(py[0], 'rng_python[0]')
-    internal = f.list(py[1], 'rng_python[1]', 625)
-    if not all(is_int(v) and 0 <= v <= 0xFFFFFFFF for v in internal):
-        f.fail('rng_python[1]', '625 integers of the Mersenne Twister state', internal)
-    if py[2] is not None:
-        f.number(py[2], 'rng_python[2]')
+    check_python_rng(f, meta.get('rng_python'), 'rng_python')
     for key in ('args', 'settings'):
         if meta.get(key) is not None:
             f.dict(meta[key], key)
