@@ -16,7 +16,7 @@ from timm_patchmix.data import PATCHSHAPES_CLASSES
 from timm_patchmix.guided import MaskTable, dataset_fingerprint
 from timm_patchmix.pipeline import SETTINGS_FILE, _phase_settings, build_parser as pipeline_parser
 from timm_patchmix.pipeline import main as pipeline_main
-from timm_patchmix.search.loop import main as search_main
+from timm_patchmix.search import main as search_main
 from timm_patchmix.settings import SettingsChangedError, file_record, write_settings
 from timm_patchmix.train import main as train_main
 

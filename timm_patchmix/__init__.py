@@ -18,12 +18,12 @@ register_patchhead_pretrained()
 
 __version__ = '0.1.0'
 
-# name -> (modules to try in turn, attribute); attribute None means the module itself
+# name -> (module, attribute); attribute None means the module itself
 _LAZY = {
-    'GuidedPatchMix': (('.guided',), 'GuidedPatchMix'),
-    'MaskTable': (('.table', '.guided'), 'MaskTable'),  # .guided re-exports the table's names
-    'MaskTableError': (('.table', '.guided'), 'MaskTableError'),
-    'hub': (('.hub',), None),
+    'GuidedPatchMix': ('.guided', 'GuidedPatchMix'),
+    'MaskTable': ('.table', 'MaskTable'),
+    'MaskTableError': ('.table', 'MaskTableError'),
+    'hub': ('.hub', None),
 }
 
 __all__ = [
@@ -35,18 +35,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     try:
-        modules, attr = _LAZY[name]
+        module, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f'module {__name__!r} has no attribute {name!r}') from None
-    for module in modules:
-        try:
-            mod = importlib.import_module(module, __name__)
-        except ModuleNotFoundError as e:
-            if e.name != __name__ + module or module == modules[-1]:
-                raise
-            continue
-        if attr is None or hasattr(mod, attr):
-            break
+    mod = importlib.import_module(module, __name__)
     value = mod if attr is None else getattr(mod, attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value

@@ -31,8 +31,6 @@ COMMANDS: Dict[str, Tuple[str, str, str]] = {
     'demo': ('timm_patchmix.demo', 'main', 'draw a grid of PatchMix samples of the embedded dataset'),
     'robustness': ('timm_patchmix.robustness', 'main', 'FGSM top-1 of a saved checkpoint'),
 }
-# where a command lived before its package exported it (used only when the first place lacks it)
-_FALLBACK = {'search': ('timm_patchmix.search.loop', 'cli')}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -60,13 +58,7 @@ def prog_name(module: str) -> str:
 
 def _load(command: str) -> Callable[[Optional[List[str]]], int]:
     module, attr, _ = COMMANDS[command]
-    func = getattr(importlib.import_module(module), attr, None)
-    if func is None and command in _FALLBACK:
-        module, attr = _FALLBACK[command]
-        func = getattr(importlib.import_module(module), attr)
-    if func is None:
-        raise ImportError(f'{module} has no {attr}()')
-    return func
+    return getattr(importlib.import_module(module), attr)
 
 
 def run(command: str, argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
