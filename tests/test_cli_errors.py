@@ -14,7 +14,7 @@ from timm_patchmix import demo, hub, pipeline, robustness, train
 from timm_patchmix.checkpoint import load_state, load_weights
 from timm_patchmix.cli_types import (directory, existing_file, float_range, int_range, new_file, positive_float,
                                      probability)
-from timm_patchmix.search import loop as search
+from timm_patchmix.search import command as search
 
 
 @pytest.fixture
