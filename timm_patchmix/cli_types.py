@@ -75,12 +75,18 @@ fraction = float_range(0.0, 1.0, hi_open=True, name='fraction')       # [0, 1): 
 
 
 # --- paths --------------------------------------------------------------------------------------------------------
+def _not_a_folder(text: str, what: str, empty: str) -> str:
+    """``text`` unless it is empty or names an existing folder (errors say ``expects <what>``)."""
+    if not text:
+        raise argparse.ArgumentTypeError(f'expects {what}, got an empty {empty}')
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f'expects {what}, got the folder {text!r}')
+    return text
+
+
 def existing_file(text: str) -> str:
     """A file that exists; a folder or a missing path is refused."""
-    if not text:
-        raise argparse.ArgumentTypeError('expects a file, got an empty path')
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f'expects a file, got the folder {text!r}')
+    _not_a_folder(text, 'a file', 'path')
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f'file {text!r} does not exist')
     return text
@@ -93,11 +99,7 @@ def optional_file(text: str) -> str:
 
 def new_file(text: str) -> str:
     """A file to write (it may exist and is then replaced); a folder is refused."""
-    if not text:
-        raise argparse.ArgumentTypeError('expects a file path, got an empty path')
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f'expects a file path, got the folder {text!r}')
-    return text
+    return _not_a_folder(text, 'a file path', 'path')
 
 
 def directory(text: str) -> str:
@@ -123,8 +125,4 @@ def optional_directory(text: str) -> str:
 
 def file_or_name(text: str) -> str:
     """A file or a name that is not a path (``hf-hub:<repo>``, a registered tag); an existing folder is refused."""
-    if not text:
-        raise argparse.ArgumentTypeError('expects a file or a name, got an empty string')
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f'expects a file or a name, got the folder {text!r}')
-    return text
+    return _not_a_folder(text, 'a file or a name', 'string')
