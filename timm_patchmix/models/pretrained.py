@@ -17,7 +17,7 @@ from typing import Any, Dict
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import PretrainedCfg
 
-from . import patchhead
+from . import registry as patchhead
 from ..compat import registry as _registry
 
 __all__ = ['HUB_NAMESPACE', 'PATCHHEAD_PRETRAINED', 'register_patchhead_pretrained']
