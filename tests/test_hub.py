@@ -23,7 +23,7 @@ from timm_patchmix.train import main as train_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
-EXAMPLES = os.path.join(ROOT, 'hub')
+EXAMPLES = os.path.join(ROOT, 'timm_patchmix', 'weights')
 TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1']
 
 
@@ -149,11 +149,10 @@ def test_plain_backbone_export_has_the_same_trunk(trained, tmp_path, caplog):
 
 
 def test_registered_tags():
-    names = timm.list_pretrained('patchhead_*')
-    assert set(PATCHHEAD_PRETRAINED) <= set(names)
-    for full in ('patchhead_resnet50.gpm_in1k', 'patchhead_resnet50.rpm_in1k'):
+    assert timm.list_pretrained('patchhead_*') == sorted(PATCHHEAD_PRETRAINED)
+    for full in PATCHHEAD_PRETRAINED:
         cfg = timm.models.get_pretrained_cfg(full)
-        assert cfg.hf_hub_id == f'{HUB_NAMESPACE}/{full}' and cfg.num_classes == 1000
+        assert os.path.isfile(cfg.file) and cfg.hf_hub_id is None and cfg.num_classes == 10
         assert tuple(cfg.classifier) == ('backbone.fc', 'patch_head.fc')
     m = timm.create_model('patchhead_resnet32_cifar', num_classes=4)
     assert m.pretrained_cfg['architecture'] == 'patchhead_resnet32_cifar'
@@ -179,7 +178,7 @@ def test_backbone_tag_loads_the_backbones_timm_weights_under_a_fresh_patch_head(
     assert m.backbone.fc.out_features == 4 and m.patch_head.fc.out_features == 4
 
 
-@pytest.mark.parametrize('name', sorted(n for n in PATCHHEAD_PRETRAINED if not n.endswith('_in1k')))
+@pytest.mark.parametrize('name', sorted(PATCHHEAD_PRETRAINED))
 def test_example_checkpoints_match_their_tags_and_work(name):
     folder = os.path.join(EXAMPLES, name)
     cfg = json.load(open(os.path.join(folder, 'config.json')))
@@ -202,7 +201,7 @@ def test_example_checkpoints_match_their_tags_and_work(name):
 HUB_SCRIPT = r'''
 import json, sys, torch, timm
 import timm_patchmix
-from timm_patchmix.checkpoint import CheckpointError
+from timm_patchmix.models import PatchheadWeightsError
 out = {}
 name = sys.argv[1]
 m = timm.create_model(f'hf-hub:{name}', pretrained=True).eval()
@@ -217,7 +216,7 @@ out['tag_trunk_equal'] = bool(torch.equal(t.backbone.conv1.weight, m.backbone.co
 try:
     timm.create_model('patchhead_resnet50.gpm_in1k', pretrained=True)
     out['in1k'] = 'loaded'
-except CheckpointError as e:
+except PatchheadWeightsError as e:
     out['in1k'] = str(e)
 print(json.dumps(out))
 '''
@@ -244,8 +243,8 @@ def test_hf_hub_from_a_local_cache_offline(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out['source'] == 'hf-hub' and out['same_as_local_dir']
     assert out['tag_heads'] == [[5, 64], [5, 64]] and out['tag_trunk_equal']
-    # the ImageNet tag resolves to its hf_hub_id (not in this cache, and offline): a clear error naming it
-    assert f'{HUB_NAMESPACE}/patchhead_resnet50.gpm_in1k' in out['in1k']
+    # the ImageNet recipe's names have no weights: a clear error before any Hub lookup
+    assert 'not published' in out['in1k'] and 'docs/hub.md' in out['in1k']
 
 
 def test_push_up_to_the_upload_call(trained, tmp_path, monkeypatch):

@@ -11,10 +11,9 @@ from .grid import cell_areas, cell_bounds, grid_bounds, to_grid
 from .mix import PatchMix, PatchMixParams, pack_target, split_target
 from .collate import FastCollateGuidedPatchMix, FastCollatePatchMix
 from .loss import PatchMixLoss
-from .models import PatchHeadModel, create_patchhead, register_patchhead_models, register_patchhead_pretrained
+from .models import PatchHeadModel, create_patchhead, register_patchhead_models
 
 register_patchhead_models()
-register_patchhead_pretrained()
 
 __version__ = '0.1.0'
 

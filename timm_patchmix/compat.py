@@ -2,14 +2,10 @@
 or torch module. Everything else comes from timm's public namespaces (``timm.models.load_pretrained``,
 ``timm.models.PretrainedCfg``, ``timm.models.checkpoint_seq``, ``timm.utils.*``...).
 """
-# The registry's tables. ``patchhead_<arch>`` is registered for every architecture timm lists (~1,400 names):
-# ``register_model`` does per-call module bookkeeping that takes seconds at that count, and adding pretrained tags to
-# an architecture registered elsewhere has no public function at all.
-from timm.models import _registry as registry  # noqa: F401
 # timm's Hub helpers for one file of a repo and for config.json in timm's format. ``timm.models`` exports
 # ``load_model_config_from_hf`` (which also resolves a pretrained cfg, for a model timm knows before the config is
 # read) and ``save_for_hf`` (which writes the weights too, by its own rules); the Hub-folder code needs the config.json
 # alone, read before any model exists and written beside weights saved atomically by this package.
 from timm.models._hub import download_from_hf, save_config_for_hf  # noqa: F401
 
-__all__ = ['registry', 'download_from_hf', 'save_config_for_hf']
+__all__ = ['download_from_hf', 'save_config_for_hf']

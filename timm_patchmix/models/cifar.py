@@ -10,7 +10,7 @@ All have a 3x3 stem at 32x32 and three stages (strides 1, 2, 2), so a 32x32 inpu
 """
 from __future__ import annotations
 
-from typing import List, Optional, Type
+from typing import List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -116,11 +116,13 @@ class CifarResNet(nn.Module):
         self.grad_checkpointing = False
         self.conv1 = nn.Conv2d(in_chans, stem_width, 3, 1, 1, bias=False)
         self.bn1 = nn.Identity() if self.preact else nn.BatchNorm2d(stem_width)
+        self.act1 = nn.Identity() if self.preact else nn.ReLU()
         total = sum(depths)
         dpr = [drop_path_rate * i / max(total - 1, 1) for i in range(total)]
         stages: List[nn.Module] = []
         in_chs, idx = stem_width, 0
-        self.feature_info = [dict(num_chs=stem_width, reduction=1, module='conv1')]
+        # modules, not functional calls, at every tap: timm's feature extractors run the children in order
+        self.feature_info = [dict(num_chs=stem_width, reduction=1, module='act1')]
         for s, (d, w) in enumerate(zip(depths, widths)):
             layers = []
             for i in range(d):
@@ -132,6 +134,9 @@ class CifarResNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         # pre-activation nets end with BN-ReLU so the final map is normalised like a post-activation one
         self.final_norm = nn.BatchNorm2d(in_chs) if self.preact else nn.Identity()
+        self.final_act = nn.ReLU() if self.preact else nn.Identity()
+        if self.preact:
+            self.feature_info[-1]['module'] = 'final_act'
         self.num_features = self.head_hidden_size = in_chs
         self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
         self.fc = nn.Linear(in_chs, num_classes) if num_classes > 0 else nn.Identity()
@@ -161,16 +166,53 @@ class CifarResNet(nn.Module):
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.bn1(self.conv1(x))
-        if not self.preact:
-            x = F.relu(x)
+        x = self.act1(self.bn1(self.conv1(x)))
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.stages, x)
         else:
             x = self.stages(x)
-        if self.preact:
-            x = F.relu(self.final_norm(x))
-        return x
+        return self.final_act(self.final_norm(x))
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False
+                              ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """timm's intermediate-feature API: the stem (0) and each stage (1..3) as ``feature_info`` lists them;
+        ``indices`` an int takes the last n, a list those indices (negative from the end). ``norm`` applies the
+        pre-activation nets' final BN-ReLU to the last stage, as ``forward_features`` does."""
+        if output_fmt != 'NCHW':
+            raise ValueError(f"output_fmt must be 'NCHW' for {type(self).__name__}, got {output_fmt!r}")
+        take, last = _take_indices(len(self.feature_info), indices)
+        out: List[torch.Tensor] = []
+        x = self.act1(self.bn1(self.conv1(x)))
+        if 0 in take:
+            out.append(x)
+        stages = len(self.stages) if not stop_early else last
+        for i in range(stages):
+            x = self.stages[i](x)
+            if i + 1 in take:
+                out.append(self.final_act(self.final_norm(x)) if norm and i + 1 == len(self.stages) else x)
+        if intermediates_only:
+            return out
+        if stages == len(self.stages):
+            x = self.final_act(self.final_norm(x))
+        return x, out
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the stages after the last index kept (and the final norm, the head on request); returns the kept
+        indices."""
+        take, last = _take_indices(len(self.feature_info), indices)
+        for i in range(last, len(self.stages)):
+            self.stages[i] = nn.Sequential()  # empty, so the indices keep their meaning
+        if last < len(self.feature_info) - 1 or prune_norm:
+            self.final_norm, self.final_act = nn.Identity(), nn.Identity()
+        if last < len(self.feature_info) - 1:
+            self.num_features = self.head_hidden_size = self.feature_info[last]['num_chs']
+            prune_head = True
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.global_pool(x)
@@ -180,6 +222,23 @@ class CifarResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def _take_indices(n: int, indices: Optional[Union[int, List[int]]]) -> Tuple[List[int], int]:
+    """``(sorted indices to take, the largest)`` out of ``n`` taps: None = all, an int = the last that many."""
+    if indices is None:
+        take = list(range(n))
+    elif isinstance(indices, int):
+        if not 0 < indices <= n:
+            raise ValueError(f'indices={indices}: take between 1 and {n} of the last taps')
+        take = list(range(n - indices, n))
+    else:
+        take = []
+        for i in indices:
+            if not -n <= i < n:
+                raise ValueError(f'index {i} out of range for {n} taps')
+            take.append(i % n)
+    return sorted(take), max(take)
 
 
 def _cfg(**kwargs):
@@ -198,7 +257,8 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> CifarResNet:
-    return build_model_with_cfg(CifarResNet, variant, pretrained, feature_cfg=dict(flatten_sequential=True), **kwargs)
+    return build_model_with_cfg(CifarResNet, variant, pretrained,
+                                feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)), **kwargs)
 
 
 @register_model

@@ -1,57 +1,50 @@
-"""Pretrained tags of ``patchhead_*`` models: weights that include the patch head, in the project's Hub namespace.
+"""Pretrained tags of ``patchhead_*`` models: weights that hold both heads, shipped inside the package.
 
-``timm.create_model('patchhead_resnet50.gpm_in1k', pretrained=True)`` downloads ``model.safetensors`` from the tag's
-``hf_hub_id`` through timm's own loader; ``num_classes=N`` for another N re-initialises both heads for fine-tuning.
-Any other tag (``patchhead_resnet50.a1_in1k``) and no tag select the backbone's own timm weights under a fresh
-patch head.
+``timm.create_model('patchhead_resnet32_cifar.gpm_fmnist', pretrained=True)`` loads
+``timm_patchmix/weights/<name>/model.safetensors`` through timm's own loader, offline, from a wheel or an editable
+install alike; ``num_classes=N`` for another N re-initialises both heads for fine-tuning. ``timm.list_pretrained(
+'patchhead_*')`` lists exactly these tags, and ``timm.is_model_pretrained`` is true for them and for the architecture
+whose default they are.
 
-Tags: ``gpm`` = Guided PatchMix (the paper's final model f_O), ``rpm`` = Random PatchMix (f_T); then the training
-data. The ImageNet tags are the recipe's targets (see the README's "Hub" section): they need ImageNet and GPUs. The
-small tags are the example checkpoints trained on the machines of this project, kept in ``hub/`` in the
-repository in the Hub-folder layout.
+The backbone's own timm tags (``patchhead_resnet50.a1_in1k``) are accepted too: they load the backbone's timm weights
+under a fresh patch head, and are not listed (registering a copy of every timm tag would cost ~30 ms per import).
+
+Tags: ``gpm`` = Guided PatchMix (the paper's final model f_O), ``rpm`` = Random PatchMix (f_T); then the training data.
+ImageNet weights are not published: ``docs/hub.md`` has the recipe, and the names below fail at once saying so.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import PretrainedCfg
-
-from . import registry as patchhead
-from ..compat import registry as _registry
-
-__all__ = ['HUB_NAMESPACE', 'PATCHHEAD_PRETRAINED', 'register_patchhead_pretrained']
+__all__ = ['HUB_NAMESPACE', 'WEIGHTS_DIR', 'PATCHHEAD_PRETRAINED', 'UNPUBLISHED', 'pretrained_cfgs']
 
 HUB_NAMESPACE = 'timm-patchmix'
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'weights')
 _CIFAR_MEAN, _CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+_SMALL = dict(input_size=(3, 32, 32), pool_size=(8, 8), crop_pct=1.0, crop_mode='center', interpolation='bilinear',
+              mean=_CIFAR_MEAN, std=_CIFAR_STD, first_conv='backbone.conv1',
+              classifier=('backbone.fc', 'patch_head.fc'), license='apache-2.0')
 
-_IN1K = dict(num_classes=1000, input_size=(3, 224, 224), pool_size=(7, 7), crop_pct=0.95, interpolation='bicubic',
-             mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, first_conv='backbone.conv1',
-             classifier=('backbone.fc', 'patch_head.fc'))
-_SMALL = dict(input_size=(3, 32, 32), pool_size=(8, 8), crop_pct=1.0, interpolation='bilinear', mean=_CIFAR_MEAN,
-              std=_CIFAR_STD, first_conv='backbone.conv1', classifier=('backbone.fc', 'patch_head.fc'))
-
+# the first tag of an architecture is its default (what pretrained=True without a tag loads)
 PATCHHEAD_PRETRAINED: Dict[str, Dict[str, Any]] = {
-    'patchhead_resnet50.gpm_in1k': dict(_IN1K),
-    'patchhead_resnet50.rpm_in1k': dict(_IN1K),
-    # example checkpoints (hub/<name>/ in the repository)
-    'patchhead_resnet32_cifar.rpm_patchshapes': dict(_SMALL, num_classes=10),
     'patchhead_resnet32_cifar.gpm_fmnist': dict(_SMALL, num_classes=10),
+    'patchhead_resnet32_cifar.rpm_patchshapes': dict(_SMALL, num_classes=10),
+}
+
+# names of the ImageNet recipe's targets, whose weights do not exist yet
+UNPUBLISHED = {
+    'patchhead_resnet50.gpm_in1k': 'Guided PatchMix, ImageNet-1k',
+    'patchhead_resnet50.rpm_in1k': 'Random PatchMix, ImageNet-1k',
 }
 
 
-def register_patchhead_pretrained() -> int:
-    """Add the tags above to timm's pretrained registry (``timm.list_pretrained('patchhead_*')`` lists them)."""
-    added = 0
+def pretrained_cfgs() -> Dict[str, Dict[str, Any]]:
+    """``{'arch.tag': cfg fields}`` for ``timm.models.generate_default_cfgs``: each tag's weights file in the
+    package, and its Hub folder's model card as the ``origin_url``."""
+    out = {}
     for full, fields in PATCHHEAD_PRETRAINED.items():
-        arch, tag = full.split('.', 1)
-        if full in _registry._model_pretrained_cfgs or arch not in _registry._model_entrypoints:
-            continue
-        cfg = PretrainedCfg(hf_hub_id=f'{HUB_NAMESPACE}/{full}', architecture=arch, tag=tag, license='apache-2.0',
-                            **fields)
-        _registry._model_pretrained_cfgs[full] = cfg
-        _registry._model_has_pretrained.add(full)
-        _registry._model_with_tags[arch].append(full)
-        patchhead._PATCHHEAD_TAGS.add(full)
-        added += 1
-    return added
+        folder = os.path.join(WEIGHTS_DIR, full)
+        out[full] = dict(fields, file=os.path.join(folder, 'model.safetensors'),
+                         origin_url=os.path.join(folder, 'README.md'))
+    return out

@@ -1,38 +1,113 @@
-"""Registration of ``patchhead_<arch>`` with timm, and where a ``patchhead_`` model's weights come from."""
+"""Registration of ``patchhead_<arch>`` with timm, and where a ``patchhead_`` model's weights come from.
+
+Every architecture timm lists gets a ``patchhead_`` entrypoint through ``timm.models.register_model``; the tags whose
+weights hold the patch head (``pretrained.py``) come through this module's ``default_cfgs``, built with
+``timm.models.generate_default_cfgs``, which ``register_model`` reads. So ``timm.list_pretrained('patchhead_*')`` and
+``timm.is_model_pretrained`` report exactly the weights that ``pretrained=True`` loads with the patch head.
+
+What ``timm.create_model('patchhead_<arch>[.tag]', pretrained=..., ...)`` builds:
+
+- a tag of this package (``.gpm_fmnist``), or no tag where the architecture has one as its default, or a
+  ``config.json`` of a Hub folder (``hf-hub:``/``local-dir:``): the patchhead model with those weights, both heads;
+- a tag of the backbone (``patchhead_resnet50.a1_in1k``): the backbone's timm weights under a fresh patch head;
+- no tag and no weights of its own: with ``pretrained=True`` an error that names the backbone's tags, unless
+  ``pretrained_cfg_overlay`` gives the backbone a weights source (``file``, ``url``, ``state_dict``...);
+- ``features_only=True``: the backbone's own timm feature extractor (``timm.create_model(arch, features_only=True)``),
+  holding the trunk of whichever weights the rules above select.
+"""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import sys
+from typing import Any, Dict, Iterable, Optional
 
 import timm
 from safetensors import SafetensorError
-from timm.models import PretrainedCfg
+from timm.models import PretrainedCfg, generate_default_cfgs, get_arch_pretrained_cfgs, get_pretrained_cfg
+from timm.models import register_model
 
-from ..compat import registry as _registry
 from .patchhead import PREFIX, PatchHeadModel, create_patchhead
+from .pretrained import PATCHHEAD_PRETRAINED, UNPUBLISHED, pretrained_cfgs
 
-_MODULE = 'patchhead'
-_PATCHHEAD_TAGS = set()  # 'patchhead_<arch>.<tag>' names whose weights hold the patch head (see pretrained.py)
+__all__ = ['register_patchhead_models', 'load_patchhead_weights', 'default_cfgs', 'PatchheadWeightsError']
 
 
-def _patchhead_cfg(name: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
+class _Names(list):
+    """This module's ``__all__``: ``register_model`` appends each entrypoint's name after checking it is not there;
+    a list's check is linear, which makes ~1,400 registrations quadratic (~10 ms), so membership uses a set."""
+
+    def __init__(self, names: Iterable[str] = ()):
+        super().__init__(names)
+        self._set = set(self)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+    def append(self, name: str) -> None:
+        super().append(name)
+        self._set.add(name)
+
+
+__all__ = _Names(__all__)
+
+# read by timm's register_model for each patchhead_* entrypoint defined in this module
+default_cfgs = generate_default_cfgs(pretrained_cfgs())
+
+# the settings a feature extractor takes on top of the model's own arguments (timm's builder pops them)
+_FEATURE_KWARGS = ('out_indices', 'feature_cls')
+# pretrained cfg fields that are a source of weights
+_SOURCES = ('state_dict', 'file', 'url', 'hf_hub_id')
+
+
+class PatchheadWeightsError(ValueError):
+    """A ``patchhead_`` name or tag whose weights do not exist."""
+
+
+def _backbone_tags(arch: str) -> list:
+    return sorted(n.split('.', 1)[1] for n in get_arch_pretrained_cfgs(arch) if '.' in n)
+
+
+def _no_weights(name: str, arch: str, tag: Optional[str] = None) -> PatchheadWeightsError:
+    full = f'{name}.{tag}' if tag else name
+    if full in UNPUBLISHED:
+        return PatchheadWeightsError(
+            f'{full} ({UNPUBLISHED[full]}): these weights are not published. The recipe that trains them is in '
+            f"timm_patchmix's docs/hub.md ('ImageNet weights'); timm.list_pretrained('patchhead_*') lists the "
+            f'weights that exist')
+    own = sorted(n.split('.', 1)[1] for n in PATCHHEAD_PRETRAINED if n.split('.', 1)[0] == name)
+    tags = _backbone_tags(arch)
+    hint = (f"; {name}.<tag> with a tag of {arch} loads timm's {arch} weights under a new patch head "
+            f"({', '.join(tags[:6])}{', ...' if len(tags) > 6 else ''})" if tags
+            else f'; {arch} has no timm weights either')
+    if tag:
+        return PatchheadWeightsError(
+            f"{full}: no such tag. {name}'s own tags: {', '.join(own) or 'none'}{hint}")
+    return PatchheadWeightsError(
+        f"{name} has no weights with a patch head (timm.list_pretrained('patchhead_*') lists those that exist), so "
+        f'pretrained=True has nothing to load{hint}; or pass the weights with pretrained_cfg_overlay=dict(file=...)')
+
+
+def _own_cfg(name: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
     """The pretrained cfg of ``name``'s own (patch-head) weights, or None when weights, if any, are the backbone's.
 
     Patch-head weights come from a ``config.json`` (``hf-hub:``/``local-dir:``, which timm hands over as a cfg whose
-    architecture is ``patchhead_*``), or from a tag registered for ``name`` (``patchhead_resnet50.gpm_in1k``). Any
-    other tag, and no tag, selects the backbone's timm weights under a fresh patch head.
+    source is set; it was routed here because it names this model), from a cfg whose architecture is a patchhead
+    name, or from this package's tags (named, or the architecture's default).
     """
-    if isinstance(pretrained_cfg, str):
-        cfg = _registry._model_pretrained_cfgs.get(f'{name}.{pretrained_cfg}')
-        if cfg is None or f'{name}.{pretrained_cfg}' not in _PATCHHEAD_TAGS:
+    if pretrained_cfg is None:
+        if not timm.is_model_pretrained(name):
             return None
-        cfg = cfg.to_dict()
+        cfg = get_pretrained_cfg(name).to_dict()
+    elif isinstance(pretrained_cfg, str):
+        full = f'{name}.{pretrained_cfg}'
+        if full not in PATCHHEAD_PRETRAINED:
+            return None
+        cfg = get_pretrained_cfg(full).to_dict()
     elif isinstance(pretrained_cfg, PretrainedCfg):
         cfg = pretrained_cfg.to_dict()
     elif isinstance(pretrained_cfg, dict):
         cfg = dict(pretrained_cfg)
     else:
         return None
-    # a config.json (timm drops its architecture from the cfg; it routed here because it names this model)
     from_config = cfg.get('source') in ('hf-hub', 'local-dir')
     if not from_config and not str(cfg.get('architecture') or '').startswith(PREFIX):
         return None
@@ -54,26 +129,58 @@ def _check_config_fields(cfg: Dict[str, Any], model_args: Optional[Dict[str, Any
     check_hub_config(doc, Fields(f'{where}: config.json', CheckpointError))
 
 
+def _with_own_weights(name: str, arch: str, own: Dict[str, Any], pretrained: bool, cache_dir,
+                      kwargs: Dict[str, Any]) -> PatchHeadModel:
+    file_args = kwargs.pop('pretrained_model_args', None)
+    if own.get('source') in ('hf-hub', 'local-dir'):
+        _check_config_fields(own, file_args)
+    model = create_patchhead(arch, pretrained=False, **kwargs)
+    model.pretrained_cfg = dict(model.pretrained_cfg, **{k: v for k, v in own.items() if v is not None})
+    model.pretrained_cfg['classifier'] = tuple(model.pretrained_cfg['classifier'])
+    if pretrained:
+        load_patchhead_weights(model, own, in_chans=kwargs.get('in_chans', 3), cache_dir=cache_dir)
+    return model
+
+
+def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: bool, pretrained_cfg, overlay,
+              cache_dir, kwargs: Dict[str, Any]):
+    """The backbone's timm feature extractor; with the patchhead weights' trunk when those are selected."""
+    if own is None or not pretrained:
+        if own is not None:  # the architecture's own cfg, no weights: the plain backbone's cfg
+            pretrained_cfg = overlay = None
+        return timm.create_model(arch, features_only=True, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
+                                 pretrained_cfg_overlay=overlay, cache_dir=cache_dir, **kwargs)
+    feature_args = {k: kwargs.pop(k) for k in _FEATURE_KWARGS if k in kwargs}
+    whole = _with_own_weights(name, arch, own, True, cache_dir, dict(kwargs))
+    state = whole.backbone.state_dict()
+    kwargs.pop('pretrained_model_args', None)
+    kwargs['num_classes'] = whole.num_classes
+    source = dict(state_dict=state, file=None, url=None, hf_hub_id=None, num_classes=whole.num_classes)
+    return timm.create_model(arch, features_only=True, pretrained=True, pretrained_cfg_overlay=source,
+                             **feature_args, **kwargs)
+
+
 def _entrypoint(arch: str):
     name = PREFIX + arch
 
-    def fn(pretrained: bool = False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
-           **kwargs) -> PatchHeadModel:
-        own = _patchhead_cfg(name, pretrained_cfg, pretrained_cfg_overlay)
+    def fn(pretrained: bool = False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None, **kwargs):
+        features_only = kwargs.pop('features_only', False)
+        tag = pretrained_cfg if isinstance(pretrained_cfg, str) else None
+        if tag is not None and f'{name}.{tag}' not in PATCHHEAD_PRETRAINED and tag not in _backbone_tags(arch):
+            raise _no_weights(name, arch, tag)
+        own = _own_cfg(name, pretrained_cfg, pretrained_cfg_overlay)
+        if own is None and pretrained and tag is None and not isinstance(pretrained_cfg, (dict, PretrainedCfg)) \
+                and not any((pretrained_cfg_overlay or {}).get(k) for k in _SOURCES):
+            raise _no_weights(name, arch)
+        if features_only:
+            return _features(name, arch, own, pretrained, pretrained_cfg, pretrained_cfg_overlay, cache_dir, kwargs)
         if own is None:
             return create_patchhead(arch, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
                                     pretrained_cfg_overlay=pretrained_cfg_overlay, cache_dir=cache_dir, **kwargs)
-        file_args = kwargs.pop('pretrained_model_args', None)
-        if own.get('source') in ('hf-hub', 'local-dir'):
-            _check_config_fields(own, file_args)
-        model = create_patchhead(arch, pretrained=False, **kwargs)
-        model.pretrained_cfg = dict(model.pretrained_cfg, **{k: v for k, v in own.items() if v is not None})
-        model.pretrained_cfg['classifier'] = tuple(model.pretrained_cfg['classifier'])
-        if pretrained:
-            load_patchhead_weights(model, own, in_chans=kwargs.get('in_chans', 3), cache_dir=cache_dir)
-        return model
+        return _with_own_weights(name, arch, own, pretrained, cache_dir, kwargs)
+
     fn.__name__ = name
-    fn.__qualname__ = fn.__name__
+    fn.__qualname__ = name
     fn.__module__ = __name__
     fn.__doc__ = f'{arch} with a PatchMix patch head (see timm_patchmix.models.create_patchhead).'
     return fn
@@ -97,19 +204,19 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
 
 
 def register_patchhead_models() -> int:
-    """Register ``patchhead_<arch>`` for every architecture timm lists now; never replaces an existing name.
+    """Register ``patchhead_<arch>`` with ``timm.models.register_model`` for every architecture timm lists now
+    (and the tags in ``pretrained.py`` with them); never replaces an existing name. Returns how many were added.
 
-    Entries go straight into timm's registry tables (what ``register_model`` does, less its per-call module
-    bookkeeping), which keeps this to a few milliseconds for ~1,400 architectures. Returns how many were added.
+    Call it again after registering new timm architectures to give them a ``patchhead_`` twin.
     """
-    entry = _registry._model_entrypoints
+    module = sys.modules[__name__]
     added = 0
     for arch in timm.list_models():
         name = PREFIX + arch
-        if arch.startswith(PREFIX) or name in entry:
+        if arch.startswith(PREFIX) or timm.is_model(name):
             continue
-        entry[name] = _entrypoint(arch)
-        _registry._model_to_module[name] = _MODULE
-        _registry._module_to_models[_MODULE].add(name)
+        fn = _entrypoint(arch)
+        setattr(module, name, fn)  # a real attribute for each name register_model adds to __all__
+        register_model(fn)
         added += 1
     return added
