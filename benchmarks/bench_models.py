@@ -22,7 +22,6 @@ import torch.nn.functional as F
 import timm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
-import timm_patchmix  # noqa: E402
 from timm_patchmix import PatchMix, PatchMixLoss  # noqa: E402
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 
@@ -77,16 +76,7 @@ def import_cost(repeats: int) -> dict:
     for _ in range(repeats):
         out = subprocess.run([sys.executable, '-c', code], check=True, cwd=root, capture_output=True, text=True)
         added.append(float(out.stdout.strip().splitlines()[-1]))
-    # in-process: registration alone
-    from timm.models import _registry
-    names = [n for n in list(_registry._model_entrypoints) if n.startswith('patchhead_')]
-    saved = {n: _registry._model_entrypoints.pop(n) for n in names}
-    t0 = time.perf_counter()
-    n_added = timm_patchmix.register_patchhead_models()
-    reg_ms = (time.perf_counter() - t0) * 1e3
-    _registry._model_entrypoints.update(saved)
-    return {'median_ms_added_by_import': statistics.median(added), 'samples_ms': added,
-            'register_ms': reg_ms, 'registered': n_added}
+    return {'median_ms_added_by_import': statistics.median(added), 'samples_ms': added}
 
 
 def main() -> None:
@@ -111,8 +101,7 @@ def main() -> None:
     imp = import_cost(args.import_repeats)
     results['import'] = imp
     print(f"import timm_patchmix after import timm: {imp['median_ms_added_by_import']:.1f} ms (median of "
-          f"{len(imp['samples_ms'])}); registering {imp['registered']} patchhead_* names takes "
-          f"{imp['register_ms']:.1f} ms of it")
+          f"{len(imp['samples_ms'])}; benchmarks/bench_import.py has the full measurement)")
     if args.json:
         atomic_write_text(args.json, json.dumps(results, indent=1))
         print(f'saved {args.json}')

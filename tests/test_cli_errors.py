@@ -211,6 +211,17 @@ def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
     assert not os.path.exists(tmp_path / 'kw'), 'stopped before the run folder is made'
 
 
+@pytest.mark.parametrize('model, names', [
+    ('patchhead_resnet50', ['patchhead_resnet50 has no weights', 'a1_in1k']),
+    ('patchhead_resnet50.gpm_in1k', ['not published', 'docs/hub.md']),
+])
+def test_pretrained_without_weights_stops_before_the_run_folder(capsys, tmp_path, model, names):
+    with pytest.raises(SystemExit) as e:
+        train.cli(TINY + ['--model', model, '--pretrained', '--output', str(tmp_path), '--experiment', 'pt'])
+    assert all(n in str(e.value) for n in names), e.value
+    assert not os.path.exists(tmp_path / 'pt')
+
+
 # --- a non-finite loss --------------------------------------------------------------------------------------------
 def test_non_finite_loss_stops_the_run_and_keeps_earlier_checkpoints(capsys, tmp_path):
     # epoch 0 trains at the warm-up lr 0.01 and is saved; epoch 1 jumps to lr ~1e30, so its first update makes the

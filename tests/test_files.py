@@ -156,7 +156,7 @@ def test_good_mask_table_variants_load(tmp_path):
         json.dump(doc, f)
     t = MaskTable.load(path, grid=(4, 4), num_classes=10, fingerprint=FP)
     assert t.class_names == [] and np.array_equal(t.masks[0], np.eye(4, dtype=bool))
-    example = os.path.join(ROOT, 'hub', 'patchhead_resnet32_cifar.gpm_fmnist', 'masks.json')
+    example = os.path.join(ROOT, 'timm_patchmix', 'weights', 'patchhead_resnet32_cifar.gpm_fmnist', 'masks.json')
     assert len(MaskTable.load(example).pairs) == 10
 
 

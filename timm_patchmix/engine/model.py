@@ -67,9 +67,12 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     """The model ``cfg`` names with ``num_classes`` outputs, and the keyword arguments it was built with (as a
     checkpoint records them). A keyword argument the model does not take is a :class:`ConfigError`."""
     import timm
+    from ..models import PatchheadWeightsError
     kwargs = _model_kwargs(cfg)
     try:
         model = timm.create_model(cfg.model, pretrained=cfg.pretrained, num_classes=num_classes, **kwargs)
+    except PatchheadWeightsError as e:
+        raise TrainSetupError(f'--model {cfg.model}{" --pretrained" if cfg.pretrained else ""}: {e}') from None
     except TypeError as e:
         usage = model_kwargs_error(cfg, e)
         if usage is not None:
