@@ -5,19 +5,31 @@ The image head is the backbone's own classifier. The patch head pools the backbo
 ``timm_patchmix.grid.cell_bounds`` on the input image, mapped onto the feature map; each region is the
 area-weighted mean of the feature pixels it covers, which is the plain mean of equal blocks when image and map
 both divide by the grid.
+
+The shape-dependent work (layout, prefix tokens, token grid, region pooling) lives in :func:`patch_pool`, a
+TorchScript-compatible function that FX keeps as one leaf call, so the model traces, scripts and exports.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.fx
 import torch.nn as nn
 import timm
 
 from ..grid import GridSpec, cell_bounds, to_grid
 
-__all__ = ['PatchHead', 'PatchHeadModel', 'create_patchhead', 'PREFIX']
+try:
+    from timm.layers import register_notrace_function
+except ImportError:  # timm without FX helpers: torch.fx.wrap below still covers plain symbolic_trace
+    def register_notrace_function(fn):
+        return fn
+
+__all__ = ['PatchHead', 'PatchHeadModel', 'PositionwiseLinear', 'create_patchhead', 'region_weights',
+           'pool_regions', 'feature_map_nhwc', 'patch_pool', 'token_grid_size', 'image_token_grid', 'PREFIX']
 
 PREFIX = 'patchhead_'
 
@@ -25,22 +37,110 @@ PREFIX = 'patchhead_'
 def region_weights(img_size: int, map_size: int, parts: int) -> torch.Tensor:
     """Row-stochastic ``[parts, map_size]`` weights: part k averages the map pixels under image cell k, each pixel
     weighted by the length of its overlap with ``[b_k, b_{k+1})`` (image bounds from ``cell_bounds``)."""
-    bounds = cell_bounds(img_size, parts)
+    if torch.jit.is_scripting():
+        # cell_bounds is lru-cached Python that TorchScript cannot compile; this is its formula
+        bounds = [(k * img_size) // parts for k in range(parts + 1)]
+    else:
+        bounds = list(cell_bounds(img_size, parts))
+    # float64 tensor ops, exactly the Python float arithmetic of overlap = max(0, min(hi, i + 1) - max(lo, i))
     scale = map_size / img_size
-    rows = []
-    for k in range(parts):
-        lo, hi = bounds[k] * scale, bounds[k + 1] * scale
-        rows.append([max(0.0, min(hi, i + 1.0) - max(lo, float(i))) for i in range(map_size)])
-    w = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(bounds, dtype=torch.float64)
+    lo, hi = (b[:-1] * scale)[:, None], (b[1:] * scale)[:, None]
+    i = torch.arange(map_size, dtype=torch.float64)[None]
+    w = (torch.minimum(hi, i + 1.0) - torch.maximum(lo, i)).clamp(min=0.0)
     return (w / w.sum(1, keepdim=True)).float()
 
 
-class PatchHead(nn.Module):
-    """Pools an NHWC feature map ``[B, h, w, F]`` into ``rows x cols`` regions and classifies each.
+def pool_regions(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int]) -> torch.Tensor:
+    """Area-weighted region means of ``feat [B, h, w, F]`` for an input of ``img_size``: ``[B, rows*cols, F]``."""
+    b, h, w, f = feat.shape
+    rows, cols = grid
+    if h < rows or w < cols:
+        raise ValueError(
+            f'the final feature map is {h}x{w}, smaller than the {rows}x{cols} patch grid, so some cells get '
+            f'no feature region of their own. Use a larger input, a backbone with a larger final map '
+            f"(for example output_stride=8, as in create_model('patchhead_resnet50', output_stride=8)), or one "
+            f"of the CIFAR backbones such as 'patchhead_resnet32_cifar' (8x8 at 32x32)")
+    H, W = img_size[0], img_size[1]
+    if H % rows == 0 and W % cols == 0 and h % rows == 0 and w % cols == 0:
+        # image and map both split into equal blocks: the weights reduce to plain block means
+        out = feat.reshape(b, rows, h // rows, cols, w // cols, f).mean((2, 4))
+    else:
+        wr = region_weights(H, h, rows).to(device=feat.device, dtype=feat.dtype)
+        wc = region_weights(W, w, cols).to(device=feat.device, dtype=feat.dtype)
+        out = torch.einsum('rh,bhwf,cw->brcf', [wr, feat, wc])
+    return out.reshape(b, rows * cols, f)
 
-    Returns ``[B, rows*cols, num_classes]`` (cells in row-major order, as the mixer's mask), or the pooled region
-    features ``[B, rows*cols, F]`` when ``num_classes == 0``. One linear classifier is shared across positions,
-    or with ``per_position=True`` each position has its own.
+
+def image_token_grid(img_size: List[int], patch_size: Tuple[int, int], feature_ratio: Tuple[int, int],
+                     dynamic_pad: bool) -> Tuple[int, int]:
+    """The token grid of a patch embedding for an input of ``img_size`` (timm's ``dynamic_feat_size``)."""
+    fh, fw = img_size[0] // feature_ratio[0], img_size[1] // feature_ratio[1]
+    if dynamic_pad:  # padded to whole patches: ceil, in integers
+        return (fh + patch_size[0] - 1) // patch_size[0], (fw + patch_size[1] - 1) // patch_size[1]
+    return fh // patch_size[0], fw // patch_size[1]
+
+
+def token_grid_size(n_tokens: int, img_size: List[int], patch_size: Tuple[int, int], feature_ratio: Tuple[int, int],
+                    dynamic_pad: bool, token_grid: Tuple[int, int]) -> Tuple[int, int]:
+    """The ``h x w`` grid of ``n_tokens`` spatial tokens: from the image size when ``patch_size`` is set (as
+    timm's ``PatchEmbed.dynamic_feat_size``), else the fixed ``token_grid``, else the square root."""
+    if patch_size[0] > 0:
+        h, w = image_token_grid(img_size, patch_size, feature_ratio, dynamic_pad)
+    elif token_grid[0] > 0:
+        h, w = token_grid[0], token_grid[1]
+    else:
+        h = int(round(math.sqrt(n_tokens)))
+        w = h
+    if h * w != n_tokens:
+        raise ValueError(f'{n_tokens} spatial tokens do not form the {h}x{w} token grid expected for an input '
+                         f'of {img_size[0]}x{img_size[1]}')
+    return h, w
+
+
+def feature_map_nhwc(feat: torch.Tensor, img_size: List[int], output_fmt: str = 'NHWC', num_features: int = 0,
+                     num_prefix_tokens: int = 0, patch_size: Tuple[int, int] = (0, 0),
+                     feature_ratio: Tuple[int, int] = (1, 1), dynamic_pad: bool = False,
+                     token_grid: Tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """A ``forward_features`` output as ``[B, h, w, F]``: NLC tokens lose their ``num_prefix_tokens`` and go on
+    their token grid; a 4-d map is NHWC or NCHW by ``output_fmt`` ('' guesses from ``num_features``)."""
+    if feat.dim() == 3:
+        tokens = feat[:, num_prefix_tokens:]
+        h, w = token_grid_size(tokens.shape[1], img_size, patch_size, feature_ratio, dynamic_pad, token_grid)
+        return tokens.reshape(feat.shape[0], h, w, feat.shape[2])
+    if feat.dim() != 4:
+        raise ValueError(f'cannot find a spatial map in forward_features output of shape {list(feat.shape)}')
+    if output_fmt == 'NHWC' or (output_fmt == '' and feat.shape[3] == num_features and feat.shape[1] != num_features):
+        return feat
+    return feat.permute(0, 2, 3, 1)
+
+
+def patch_pool(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int], output_fmt: str = 'NHWC',
+               num_features: int = 0, num_prefix_tokens: int = 0, patch_size: Tuple[int, int] = (0, 0),
+               feature_ratio: Tuple[int, int] = (1, 1), dynamic_pad: bool = False,
+               token_grid: Tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Region features ``[B, rows*cols, F]`` of a ``forward_features`` output (see :func:`feature_map_nhwc`)."""
+    fmap = feature_map_nhwc(feat, img_size, output_fmt, num_features, num_prefix_tokens, patch_size,
+                            feature_ratio, dynamic_pad, token_grid)
+    return pool_regions(fmap, img_size, grid)
+
+
+# FX leaves: shapes decide the layout and the pooling, which a symbolic trace cannot branch on
+for _fn in (pool_regions, feature_map_nhwc, patch_pool):
+    register_notrace_function(_fn)
+del _fn
+torch.fx.wrap('pool_regions')
+torch.fx.wrap('feature_map_nhwc')
+torch.fx.wrap('patch_pool')
+
+
+class PatchHead(nn.Module):
+    """Pools a feature map into ``rows x cols`` regions and classifies each.
+
+    The input is NHWC ``[B, h, w, F]`` by default; :meth:`set_layout` sets another backbone layout (NCHW, or NLC
+    tokens with prefix tokens). Returns ``[B, rows*cols, num_classes]`` (cells in row-major order, as the mixer's
+    mask), or the pooled region features ``[B, rows*cols, F]`` when ``num_classes == 0``. One linear classifier is
+    shared across positions, or with ``per_position=True`` each position has its own.
     """
 
     def __init__(self, num_features: int, num_classes: int, grid: GridSpec = 4, per_position: bool = False):
@@ -48,7 +148,19 @@ class PatchHead(nn.Module):
         self.grid = to_grid(grid)
         self.num_features = num_features
         self.per_position = per_position
+        self.set_layout()
         self.reset(num_classes)
+
+    def set_layout(self, output_fmt: str = 'NHWC', num_prefix_tokens: int = 0, patch_size: Tuple[int, int] = (0, 0),
+                   feature_ratio: Tuple[int, int] = (1, 1), dynamic_pad: bool = False,
+                   token_grid: Tuple[int, int] = (0, 0)) -> None:
+        """The static layout of the input, as plain constants (arguments of :func:`feature_map_nhwc`)."""
+        self.output_fmt = str(output_fmt).upper()
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.patch_size = (int(patch_size[0]), int(patch_size[1]))
+        self.feature_ratio = (int(feature_ratio[0]), int(feature_ratio[1]))
+        self.dynamic_pad = bool(dynamic_pad)
+        self.token_grid = (int(token_grid[0]), int(token_grid[1]))
 
     def reset(self, num_classes: int) -> None:
         self.num_classes = num_classes
@@ -60,28 +172,14 @@ class PatchHead(nn.Module):
         else:
             self.fc = PositionwiseLinear(cells, self.num_features, num_classes)
 
-    def pool(self, feat: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tensor:
+    def pool(self, feat: torch.Tensor, img_size: List[int]) -> torch.Tensor:
         """Area-weighted region means of ``feat [B, h, w, F]`` for an input of ``img_size``: ``[B, rows*cols, F]``."""
-        b, h, w, f = feat.shape
-        rows, cols = self.grid
-        if h < rows or w < cols:
-            raise ValueError(
-                f'the final feature map is {h}x{w}, smaller than the {rows}x{cols} patch grid, so some cells get '
-                f'no feature region of their own. Use a larger input, a backbone with a larger final map '
-                f"(for example output_stride=8, as in create_model('patchhead_resnet50', output_stride=8)), or one "
-                f"of the CIFAR backbones such as 'patchhead_resnet32_cifar' (8x8 at 32x32)")
-        H, W = img_size
-        if H % rows == 0 and W % cols == 0 and h % rows == 0 and w % cols == 0:
-            # image and map both split into equal blocks: the weights reduce to plain block means
-            out = feat.reshape(b, rows, h // rows, cols, w // cols, f).mean((2, 4))
-        else:
-            wr = region_weights(H, h, rows).to(device=feat.device, dtype=feat.dtype)
-            wc = region_weights(W, w, cols).to(device=feat.device, dtype=feat.dtype)
-            out = torch.einsum('rh,bhwf,cw->brcf', wr, feat, wc)
-        return out.reshape(b, rows * cols, f)
+        return pool_regions(feat, img_size, self.grid)
 
-    def forward(self, feat: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tensor:
-        return self.fc(self.pool(feat, img_size))
+    def forward(self, feat: torch.Tensor, img_size: List[int]) -> torch.Tensor:
+        return self.fc(patch_pool(feat, img_size, self.grid, self.output_fmt, self.num_features,
+                                  self.num_prefix_tokens, self.patch_size, self.feature_ratio, self.dynamic_pad,
+                                  self.token_grid))
 
 
 class PositionwiseLinear(nn.Module):
@@ -96,7 +194,7 @@ class PositionwiseLinear(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum('bkf,kcf->bkc', x, self.weight) + self.bias
+        return torch.einsum('bkf,kcf->bkc', [x, self.weight]) + self.bias
 
 
 class PatchHeadModel(nn.Module):
@@ -104,21 +202,31 @@ class PatchHeadModel(nn.Module):
 
     ``train()`` forward returns ``(logits [B, C], patch_logits [B, rows*cols, C])`` for ``PatchMixLoss``;
     ``eval()`` forward returns logits only, like the plain backbone. ``forward_patches`` works in both modes.
+    timm's model interface (intermediates, pruning, classifier reset, input size, grouping) passes through to the
+    backbone, with parameter names prefixed ``backbone.``.
     """
+    # computed in Python from the backbone, not part of the scripted forward
+    __jit_unused_properties__ = ['default_cfg', 'num_classes', 'num_features', 'head_hidden_size', 'feature_info',
+                                 'in_chans', '_traits']
 
     def __init__(self, backbone: nn.Module, grid: GridSpec = 4, per_position: bool = False):
         super().__init__()
         self.backbone = backbone
         self.grid = to_grid(grid)
         self.patch_head = PatchHead(backbone.num_features, backbone.num_classes, self.grid, per_position)
+        self._sync_layout()
         cfg = dict(getattr(backbone, 'pretrained_cfg', None) or {})
         classifier = cfg.get('classifier') or 'fc'
         heads = classifier if isinstance(classifier, (tuple, list)) else (classifier,)
         cfg['classifier'] = tuple(f'backbone.{c}' for c in heads) + ('patch_head.fc',)
         if cfg.get('first_conv'):
-            cfg['first_conv'] = f'backbone.{cfg["first_conv"]}'
+            cfg['first_conv'] = _prefix_names(cfg['first_conv'])
         cfg['architecture'] = PREFIX + cfg.get('architecture', type(backbone).__name__.lower())
         self.pretrained_cfg = cfg
+
+    def _sync_layout(self) -> None:
+        """Read the backbone's output layout into the patch head (again after anything that changes it)."""
+        self.patch_head.set_layout(**_backbone_layout(self.backbone))
 
     # --- timm's interface ---------------------------------------------------------------------------------------
     @property
@@ -134,8 +242,36 @@ class PatchHeadModel(nn.Module):
         return self.backbone.num_features
 
     @property
+    def head_hidden_size(self) -> int:
+        size = getattr(self.backbone, 'head_hidden_size', None)
+        return self.num_features if size is None else size
+
+    @property
     def feature_info(self):
-        return getattr(self.backbone, 'feature_info', None)
+        """The backbone's ``feature_info``, its module names prefixed ``backbone.`` (for FX/hook feature nets)."""
+        info = getattr(self.backbone, 'feature_info', None)
+        if isinstance(info, (list, tuple)):
+            return [dict(d, module=f'backbone.{d["module"]}') if d.get('module') else dict(d) for d in info]
+        return info
+
+    @property
+    def in_chans(self) -> int:
+        return self.backbone.in_chans
+
+    @property
+    def _traits(self) -> Dict[str, Any]:
+        # timm's current-input traits (timm.data.resolve_model_data_config), with the stem renamed like first_conv
+        traits = dict(getattr(self.backbone, '_traits', None) or {})
+        if traits.get('first_conv'):
+            traits['first_conv'] = _prefix_names(traits['first_conv'])
+        return traits
+
+    @_traits.setter
+    def _traits(self, traits: Dict[str, Any]) -> None:
+        traits = dict(traits)
+        if traits.get('first_conv'):
+            traits['first_conv'] = _unprefix_names(traits['first_conv'])
+        self.backbone._traits = traits
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
@@ -145,10 +281,22 @@ class PatchHeadModel(nn.Module):
     def get_patch_classifier(self) -> nn.Module:
         return self.patch_head.fc
 
-    def reset_classifier(self, num_classes: int, *args, **kwargs) -> None:
-        """Re-initialise both heads for ``num_classes`` (0 gives pooled features from each)."""
-        self.backbone.reset_classifier(num_classes, *args, **kwargs)
+    @torch.jit.ignore
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None, **kwargs) -> None:
+        """Re-initialise both heads for ``num_classes`` (0 gives pooled features from each). The pooling stays as it
+        is unless ``global_pool`` is given."""
+        if global_pool is None and _pool_default(self.backbone) not in (None, inspect.Parameter.empty):
+            global_pool = _global_pool_type(self.backbone)  # this backbone would reset it to its default
+        if global_pool is None:
+            self.backbone.reset_classifier(num_classes, **kwargs)
+        else:
+            self.backbone.reset_classifier(num_classes, global_pool, **kwargs)
         self.patch_head.reset(num_classes)
+        ref = next(self.backbone.parameters(), None)
+        dd = {} if ref is None else dict(device=ref.device, dtype=ref.dtype)
+        dd.update({k: kwargs[k] for k in ('device', 'dtype') if kwargs.get(k) is not None})  # as timm's takes them
+        if dd:
+            self.patch_head.fc.to(**dd)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -157,6 +305,8 @@ class PatchHeadModel(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False):
         inner = self.backbone.group_matcher(coarse)
+        if callable(inner) and not isinstance(inner, dict):
+            return _prefix_callable_matcher(inner)
         return {k: _prefix_matcher(v) for k, v in inner.items()}
 
     @torch.jit.ignore
@@ -164,64 +314,191 @@ class PatchHeadModel(nn.Module):
         inner = self.backbone.no_weight_decay() if hasattr(self.backbone, 'no_weight_decay') else set()
         return {f'backbone.{n}' for n in inner}
 
+    @torch.jit.ignore
+    def set_input_size(self, *args, **kwargs) -> None:
+        """The backbone's ``set_input_size``; the patch head follows the new token grid."""
+        self.backbone.set_input_size(*args, **kwargs)
+        self._sync_layout()
+
+    @torch.jit.ignore
+    def forward_intermediates(self, x: torch.Tensor, *args, **kwargs):
+        """The backbone's ``forward_intermediates``, unchanged."""
+        return self.backbone.forward_intermediates(x, *args, **kwargs)
+
+    @torch.jit.ignore
+    def prune_intermediate_layers(self, *args, **kwargs):
+        """The backbone's ``prune_intermediate_layers``; when it drops the backbone's classifier, the patch head
+        drops its own too (``num_classes == 0`` for both)."""
+        taken = self.backbone.prune_intermediate_layers(*args, **kwargs)
+        if self.backbone.num_classes == 0 and self.patch_head.num_classes != 0:
+            self.patch_head.reset(0)
+        self._sync_layout()
+        return taken
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            if isinstance(x, torch.fx.Proxy):
+                return self._traced_backbone_call('forward_features', x)
         return self.backbone.forward_features(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            if isinstance(x, torch.fx.Proxy):
+                return self._traced_backbone_call('forward_head', x, pre_logits=pre_logits)
         return self.backbone.forward_head(x, pre_logits=pre_logits)
 
+    @torch.jit.ignore
+    def _traced_backbone_call(self, method: str, x, **kwargs):
+        """``backbone.<method>(x)`` under FX, made through ``nn.Module.__call__``.
+
+        A tracer wraps timm's registered no-trace functions only in the source module of a module it sees called,
+        and scopes node names by module calls; a plain method call would leave the backbone's functions traced
+        (failing where the plain model traces) and its nodes unprefixed. So the method stands in for the
+        backbone's ``forward`` for this one call.
+        """
+        backbone = self.backbone
+        if x.tracer.is_leaf_module(backbone, 'backbone'):  # a leaf call would run the backbone's real forward
+            return getattr(backbone, method)(x, **kwargs)
+        own = backbone.__dict__.get('forward')
+        backbone.forward = getattr(backbone, method)
+        try:
+            return backbone(x, **kwargs)
+        finally:
+            del backbone.forward
+            if own is not None:
+                backbone.forward = own
+
     # --- the patch head -----------------------------------------------------------------------------------------
-    def feature_map_nhwc(self, feat: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tensor:
+    def feature_map_nhwc(self, feat: torch.Tensor, img_size: List[int]) -> torch.Tensor:
         """The final feature map of ``forward_features`` as ``[B, h, w, F]``, whatever the backbone's layout."""
-        f = self.backbone.num_features
-        if feat.ndim == 3:  # NLC tokens, maybe with class/register tokens first
-            n_prefix = int(getattr(self.backbone, 'num_prefix_tokens', 0))
-            tokens = feat[:, n_prefix:]
-            h, w = self._token_grid(tokens.shape[1], img_size)
-            return tokens.reshape(feat.shape[0], h, w, feat.shape[2])
-        if feat.ndim != 4:
-            raise ValueError(f'cannot find a spatial map in forward_features output of shape {list(feat.shape)}')
-        fmt = str(getattr(self.backbone, 'output_fmt', '') or '')
-        if fmt.upper() == 'NHWC' or (fmt == '' and feat.shape[3] == f and feat.shape[1] != f):
-            return feat
-        return feat.permute(0, 2, 3, 1)
+        p = self.patch_head
+        return feature_map_nhwc(feat, img_size, p.output_fmt, p.num_features, p.num_prefix_tokens, p.patch_size,
+                                p.feature_ratio, p.dynamic_pad, p.token_grid)
 
-    def _token_grid(self, n_tokens: int, img_size: Tuple[int, int]) -> Tuple[int, int]:
-        pe = getattr(self.backbone, 'patch_embed', None)
-        if pe is not None and hasattr(pe, 'dynamic_feat_size'):
-            h, w = pe.dynamic_feat_size(img_size)
-        elif pe is not None and getattr(pe, 'grid_size', None) is not None:
-            h, w = pe.grid_size
-        else:
-            h = w = int(round(math.sqrt(n_tokens)))
-        if h * w != n_tokens:
-            raise ValueError(f'{n_tokens} spatial tokens do not form the {h}x{w} token grid expected for an input '
-                             f'of {img_size[0]}x{img_size[1]}')
-        return int(h), int(w)
-
-    def patch_logits(self, feat: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tensor:
+    def patch_logits(self, feat: torch.Tensor, img_size: List[int]) -> torch.Tensor:
         """Patch logits ``[B, rows*cols, C]`` from a ``forward_features`` output for an input of ``img_size``."""
-        return self.patch_head(self.feature_map_nhwc(feat, img_size), img_size)
+        return self.patch_head(feat, img_size)
 
     def forward_patches(self, x: torch.Tensor) -> torch.Tensor:
         """Patch logits ``[B, rows*cols, C]`` for images ``x``, in train or eval mode."""
-        return self.patch_logits(self.forward_features(x), tuple(x.shape[-2:]))
+        return self.patch_logits(self.forward_features(x), x.shape[-2:])
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         feat = self.forward_features(x)
         logits = self.forward_head(feat)
         if not self.training:
             return logits
-        return logits, self.patch_logits(feat, tuple(x.shape[-2:]))
+        return logits, self.patch_logits(feat, x.shape[-2:])
+
+
+def _pair(v) -> Tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _backbone_layout(backbone: nn.Module) -> Dict[str, Any]:
+    """The static facts :func:`feature_map_nhwc` needs about ``backbone``'s ``forward_features`` output."""
+    fmt = getattr(backbone, 'output_fmt', None)
+    fmt = getattr(fmt, 'value', fmt)  # timm's Format enum or a string
+    layout = dict(output_fmt=str(fmt or ''), num_prefix_tokens=int(getattr(backbone, 'num_prefix_tokens', 0) or 0))
+    pe = getattr(backbone, 'patch_embed', None)
+    grid = getattr(pe, 'grid_size', None)
+    if grid is not None:
+        layout['token_grid'] = _pair(grid)
+    if pe is not None and hasattr(pe, 'dynamic_feat_size') and getattr(pe, 'patch_size', None) is not None:
+        geom = dict(patch_size=_pair(pe.patch_size), feature_ratio=_pair(getattr(pe, 'feature_ratio', 1)),
+                    dynamic_pad=bool(getattr(pe, 'dynamic_img_pad', False)))
+        # use the image-size rule only where it reproduces the patch embed's own dynamic_feat_size
+        step = geom['patch_size'][0] * geom['feature_ratio'][0], geom['patch_size'][1] * geom['feature_ratio'][1]
+        sizes = [getattr(pe, 'img_size', None) or (4 * step[0], 4 * step[1]),
+                 (5 * step[0] + 1, 3 * step[1] + step[1] // 2 + 1)]
+        try:
+            same = all(_pair(pe.dynamic_feat_size(tuple(s))) == image_token_grid(list(s), **geom) for s in sizes)
+        except Exception:  # a patch embed of another kind: keep its fixed grid
+            same = False
+        if same:
+            layout.update(geom)
+    return layout
+
+
+def _pool_default(backbone: nn.Module):
+    """The default of ``global_pool`` in the backbone's ``reset_classifier`` (``Parameter.empty`` if none)."""
+    try:
+        param = inspect.signature(backbone.reset_classifier).parameters.get('global_pool')
+    except (TypeError, ValueError):
+        return inspect.Parameter.empty
+    return inspect.Parameter.empty if param is None else param.default
+
+
+def _global_pool_type(backbone: nn.Module) -> Optional[str]:
+    """The backbone's current pooling type, read from the module that pools (as timm does for its exports)."""
+    head = getattr(backbone, 'head', None)
+    for pool in (getattr(head, 'global_pool', None), getattr(head, 'pool_type', None),
+                 getattr(backbone, 'global_pool', None)):
+        pool = getattr(pool, 'pool_type', pool)
+        if isinstance(pool, str):
+            return pool
+    return None
+
+
+def _prefix_names(names):
+    if isinstance(names, (tuple, list)):
+        return type(names)(f'backbone.{n}' for n in names)
+    return f'backbone.{names}'
+
+
+def _unprefix_names(names):
+    if isinstance(names, (tuple, list)):
+        return type(names)(_unprefix_names(n) for n in names)
+    return names[len('backbone.'):] if names.startswith('backbone.') else names
+
+
+_ANCHOR = r'(?<=^backbone\.)'  # where the backbone's own names start inside the wrapped model's names
+
+
+def _prefix_regex(pattern: str) -> str:
+    """``pattern`` (matched with ``re.match`` against backbone names) rewritten for ``backbone.``-prefixed names.
+
+    Every alternative of a timm matcher is anchored at the name's start (``re.match``), so the whole pattern goes
+    into a group after ``^backbone\\.``; its own ``^`` anchors (``r'^norm|^aligner'``) become a look-behind on that
+    prefix, keeping their meaning. ``^`` inside a character class and escaped characters are left alone.
+    """
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == '\\':
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            if c == ']' and not (pattern[i - 1] == '[' or pattern[i - 2:i] == '[^'):
+                in_class = False
+            out.append(c)
+        elif c == '[':
+            in_class = True
+            out.append(c)
+        elif c == '^':
+            out.append(_ANCHOR)
+        else:
+            out.append(c)
+        i += 1
+    return '^backbone\\.(?:' + ''.join(out) + ')'
 
 
 def _prefix_matcher(v):
     if isinstance(v, str):
-        return '^backbone\\.' + v.lstrip('^') if v.startswith('^') else v
+        return _prefix_regex(v)
     if isinstance(v, (list, tuple)):
         return [(_prefix_matcher(p[0]),) + tuple(p[1:]) if isinstance(p, (list, tuple)) else _prefix_matcher(p)
                 for p in v]
     return v
+
+
+def _prefix_callable_matcher(fn):
+    def matcher(name: str):
+        if name.startswith('backbone.'):
+            return fn(name[len('backbone.'):])
+        return float('inf')  # the patch head goes with the classifier, after every backbone group
+    return matcher
 
 
 def create_patchhead(arch: str, pretrained: bool = False, grid: GridSpec = 4, per_position: bool = False,
