@@ -1,16 +1,13 @@
 """timm_patchmix: PatchMix (Cascante-Bonilla et al., BMVC 2021) for the timm ecosystem.
 
 ``import timm_patchmix`` registers the ``patchhead_*`` models with timm and gives the mixers, the loss and the
-patch-head model. ``GuidedPatchMix``, ``MaskTable``, ``MaskTableError`` and the ``hub`` module load on first use
-(PEP 562), so the import stays cheap.
+patch-head model. The mixers, the loss, ``GuidedPatchMix``, ``MaskTable``, ``MaskTableError`` and the ``hub`` module
+load on first use (PEP 562), so the import stays cheap.
 """
 import importlib
 from typing import Any, List
 
 from .grid import cell_areas, cell_bounds, grid_bounds, to_grid
-from .mix import PatchMix, PatchMixParams, pack_target, split_target
-from .collate import FastCollateGuidedPatchMix, FastCollatePatchMix
-from .loss import PatchMixLoss
 from .models import PatchHeadModel, create_patchhead, register_patchhead_models
 
 register_patchhead_models()
@@ -19,6 +16,13 @@ __version__ = '0.1.0'
 
 # name -> (module, attribute); attribute None means the module itself
 _LAZY = {
+    'PatchMix': ('.mix', 'PatchMix'),
+    'PatchMixParams': ('.mix', 'PatchMixParams'),
+    'pack_target': ('.mix', 'pack_target'),
+    'split_target': ('.mix', 'split_target'),
+    'FastCollatePatchMix': ('.collate', 'FastCollatePatchMix'),
+    'FastCollateGuidedPatchMix': ('.collate', 'FastCollateGuidedPatchMix'),
+    'PatchMixLoss': ('.loss', 'PatchMixLoss'),
     'GuidedPatchMix': ('.guided', 'GuidedPatchMix'),
     'MaskTable': ('.table', 'MaskTable'),
     'MaskTableError': ('.table', 'MaskTableError'),
