@@ -5,9 +5,11 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 import timm_patchmix  # noqa: F401
 from timm_patchmix.guided import MaskTable
+from timm_patchmix.holdout import Holdout, index_hash
 from timm_patchmix.pipeline import main as pipeline_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +53,29 @@ def test_pipeline_runs_phases_and_skips_finished_ones(tmp_path):
     assert guided_meta['epochs'] == 1
     # the report states its budget and versions, and says that one seed at the smoke budget cannot rank methods
     assert rep['budget_detail'] == {'budget': 'smoke', 'train_images': 64, 'val_images': 40, 'epochs': 1,
-                                    'recipe': 'paper-cifar', 'search': {'population': 24, 'generations': 6, 'k': 4}}
-    assert '64 training images' in text and '40 validation images' in text and '1 epoch (' in text
+                                    'recipe': 'paper-cifar', 'search': {'population': 24, 'generations': 6, 'k': 4},
+                                    'holdout': 0.1, 'test_images': 300}
+    assert '64 training images' in text and '40 held-out validation images' in text and '1 epoch (' in text
+    assert '300 test images (a fixed random subset)' in text
+    # by default: 10% of the training split held out; it chose the best epochs and fed the search; the numbers are
+    # the test split's alone; f_O trained on the image loss only, f_T on L_T
+    hold = Holdout.carve(5000, 0.1, 0)
+    sp = rep['splits']
+    assert sp['holdout'] == hold.record() and sp['reported_split'] == 'test' and sp['test_split'] == 'validation'
+    assert (sp['selection_split'], sp['search_split']) == ('holdout', 'holdout')
+    assert sp['images'] == {'train': 64, 'holdout_evaluated': 40, 'test': 300, 'search': 300}
+    assert sp['losses'] == {'random_pm': 'total', 'guided_pm': 'image'}
+    assert 'held out and never trained on' in text and '(`validation`, 300 images)' in text
+    assert '`--final-loss image`' in text
+    for run in rep['runs']:  # each run's numbers: the test split's, with the held-out ones beside them
+        assert run['split'] == 'test' and run['final_top1'] == run['test']['final']['test_top1']
+        assert run['best_epoch'] == 0 and 0 <= run['holdout_final_top1'] <= 100
+        assert run['splits']['holdout'] == hold.record()
+    args = {m: yaml.safe_load(open(os.path.join(out, 'seed0', m, 'args.yaml'))) for m in rep['methods']}
+    assert all((a['holdout'], a['holdout_seed']) == (0.1, 0) for a in args.values())
+    assert args['guided_pm']['no_patch_loss'] and not args['random_pm']['no_patch_loss']
+    scored = table.search_args['scored_on']
+    assert scored['split'] == 'holdout' and scored['sha256'] == index_hash(hold.subsets(val_subset=300)[1])
     assert 'population 24, 6 generations, K = 4' in text
     assert 'too small to rank' in text and not rep['ranking']['can_rank'] and len(rep['ranking']['reasons']) == 2
     assert '±' not in text  # one seed: single numbers

@@ -14,7 +14,7 @@ import timm_patchmix  # noqa: F401
 from timm_patchmix.checkpoint import save_weights
 from timm_patchmix.data import PATCHSHAPES_CLASSES
 from timm_patchmix.guided import MaskTable, dataset_fingerprint
-from timm_patchmix.pipeline import SETTINGS_FILE, _phase_settings, build_parser as pipeline_parser
+from timm_patchmix.pipeline import SETTINGS_FILE, _guided_settings, _phase_settings, build_parser as pipeline_parser
 from timm_patchmix.pipeline import main as pipeline_main
 from timm_patchmix.search import main as search_main
 from timm_patchmix.settings import SettingsChangedError, file_record, write_settings
@@ -292,7 +292,7 @@ def test_pipeline_refuses_unrecorded_and_changed_inputs(tmp_path):
     # the search finished with this f_T; the guided model was trained on a table that has since changed
     write_settings(str(seed / 'search' / SETTINGS_FILE), _phase_settings(args, 0, {'f_T': file_record(ft)}))
     table = write_table(seed / 'search' / 'masks.json', seed=0)
-    write_settings(str(seed / 'guided_pm' / SETTINGS_FILE), _phase_settings(args, 0, {'table': file_record(table)}))
+    write_settings(str(seed / 'guided_pm' / SETTINGS_FILE), _phase_settings(args, 0, _guided_settings(args, table)))
     (seed / 'guided_pm' / 'done.json').write_text('{}')
     old = file_record(table)
     write_table(table, seed=1)

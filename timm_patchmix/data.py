@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import Dataset
 
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'PILView', 'build_dataset',
-           'dataset_num_classes', 'small_image_transform', 'pixel_transform', 'read_idx']
+           'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
+           'small_image_transform', 'pixel_transform', 'read_idx']
 
 _logger = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ def make_patchshapes(num_samples: int, seed: int, size: int = 32) -> Tuple[np.nd
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
     c0 = rng.uniform(20, 110, (n, 1, 1, 3)).astype(np.float32)
     c1 = rng.uniform(20, 110, (n, 1, 1, 3)).astype(np.float32)
-    w = (yy[None, :, :, None] * rng.uniform(0, 1, (n, 1, 1, 1)) + xx[None, :, :, None] * rng.uniform(0, 1, (n, 1, 1, 1))) / 2
+    w = (yy[None, :, :, None] * rng.uniform(0, 1, (n, 1, 1, 1))
+         + xx[None, :, :, None] * rng.uniform(0, 1, (n, 1, 1, 1))) / 2
     img = c0 * (1 - w) + c1 * w
     img += rng.normal(0, 12, img.shape).astype(np.float32)
 
@@ -212,17 +214,10 @@ class PILView(Dataset):
         return (self.transform(img) if self.transform is not None else img), int(target)
 
 
-def build_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
-                  subset: Optional[int] = None, subset_seed: int = 0) -> PILView:
-    """Open a dataset as a :class:`PILView` with ``classes`` set.
-
-    ``name``: ``''`` or ``'patchshapes'`` (embedded default; with ``''`` and a ``root``, an image folder as in
-    timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), or any timm dataset name
-    (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
-    ``subset`` of the items.
-    """
+def open_dataset(name: str, root: str = '', split: str = 'train', download: bool = False) -> Tuple[Dataset, list]:
+    """The whole ``split`` of dataset ``name`` and its class names (see :func:`build_dataset` for the names)."""
     import os
-    eval_split = split not in ('train', 'training')
+    eval_split = not is_train_split(split)
     if name in ('', 'patchshapes') and not (name == '' and root):
         base = PatchShapes('validation' if eval_split else 'train')
     elif name == 'fashion_mnist':
@@ -238,19 +233,52 @@ def build_dataset(name: str, root: str = '', split: str = 'train', download: boo
             raise FileNotFoundError(
                 f'could not open dataset {name!r} split {split!r} at {where}: {e}. Put the data there, pass '
                 f'--dataset-download where a network is available, use --dataset fashion_mnist for the IDX files of '
-                f'Debian\'s dataset-fashion-mnist, or leave --dataset unset for the embedded patchshapes data') from None
+                f'Debian\'s dataset-fashion-mnist, or leave --dataset unset for the embedded patchshapes '
+                f'data') from None
     classes = list(getattr(base, 'classes', None) or [])
     if not classes:
         reader = getattr(base, 'reader', None)
         class_to_idx = getattr(reader, 'class_to_idx', None)
         if class_to_idx:
             classes = [c for c, _ in sorted(class_to_idx.items(), key=lambda kv: kv[1])]
+    return base, classes
+
+
+def is_train_split(split: str) -> bool:
+    """``split`` names a training split (``'train'``, ``'training'``); any other name is an evaluation split."""
+    return split in ('train', 'training')
+
+
+def subset_indices(indices, subset: Optional[int], seed: int = 0) -> list:
+    """A fixed random ``subset`` of ``indices`` (all of them, in order, when ``subset`` is None or not smaller):
+    ``indices[permutation(len(indices), seed)[:subset]]``, the rule of every ``--*-subset`` flag."""
+    indices = list(indices)
+    if subset is None or subset >= len(indices):
+        return indices
+    pick = np.random.default_rng(seed).permutation(len(indices))[:subset]
+    return [indices[i] for i in pick.tolist()]
+
+
+def make_view(base: Dataset, classes, indices=None) -> 'PILView':
+    view = PILView(base, indices)
+    view.classes = list(classes)
+    return view
+
+
+def build_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
+                  subset: Optional[int] = None, subset_seed: int = 0) -> PILView:
+    """Open a dataset as a :class:`PILView` with ``classes`` set.
+
+    ``name``: ``''`` or ``'patchshapes'`` (embedded default; with ``''`` and a ``root``, an image folder as in
+    timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), or any timm dataset name
+    (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
+    ``subset`` of the items (:func:`subset_indices`).
+    """
+    base, classes = open_dataset(name, root, split, download)
     indices = None
     if subset is not None and subset < len(base):
-        indices = np.random.default_rng(subset_seed).permutation(len(base))[:subset].tolist()
-    view = PILView(base, indices)
-    view.classes = classes
-    return view
+        indices = subset_indices(range(len(base)), subset, subset_seed)
+    return make_view(base, classes, indices)
 
 
 def dataset_num_classes(ds: PILView) -> int:

@@ -6,8 +6,11 @@
 
 Phases per seed: (1) Random PatchMix f_T, (2) the search with f_T as fitness, (3) a grid of guided samples from the
 searched table, (4) the final model f_O on clean, random and guided samples. Base, Mixup and CutMix train at the
-same budget. Each finished phase leaves ``done.json`` and is skipped on a rerun; an interrupted training or search
-resumes from its own state file. Each phase records the settings it ran with in ``settings.json``: a rerun with other
+same budget. By default 10% of the training split is held out (``--holdout 0.1``): it selects every run's best epoch
+and scores the search's genes, and the report's numbers are on the test split alone, evaluated once at the end of each
+run. f_O trains on the image loss L_O alone by default (``--final-loss image``, the paper's text). Each finished
+phase leaves ``done.json`` and is skipped on a rerun; an interrupted training or search resumes from its own state
+file. Each phase records the settings it ran with in ``settings.json``: a rerun with other
 settings (budget, dataset, model, ``--train-args``...) stops with exit status 2 and names each difference before it
 writes anything, instead of reusing or resuming phases made with the old settings. The report (``report.md``,
 ``report.json``, ``fitness.png``, ``pairs.png``, ``guided_samples.png``, ``masks.json``) goes to ``--output``.
@@ -26,41 +29,49 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
-from .cli_types import directory, optional_directory
+from .cli_types import directory, fraction, nonneg_int, optional_directory
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
 from .viz import render_guided_samples
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
-    # flags for train.py, and for search.py
+    # flags for train.py, for train.py with a holdout (the test split), and for search.py
     # the paper's CIFAR optimiser (SGD Nesterov, lr 0.1, cosine, no warm-up) at short schedules
     'smoke': {'train': ['--recipe', 'paper-cifar', '--epochs', '2', '--train-subset', '1024', '--val-subset', '300',
                         '-b', '64', '-j', '0'],
+              'test': ['--test-subset', '300'],  # numbers on 300 images, as the smoke budget had before the holdout
               'search': ['--population', '24', '--generations', '6', '--k', '4', '--val-subset', '300']},
-    'small': {'train': ['--recipe', 'paper-cifar', '--epochs', '8', '-j', '1'],
+    'small': {'train': ['--recipe', 'paper-cifar', '--epochs', '8', '-j', '1'], 'test': [],
               'search': ['--population', '100', '--generations', '30', '--k', '8']},
-    'paper': {'train': ['--recipe', 'paper-cifar'],
+    'paper': {'train': ['--recipe', 'paper-cifar'], 'test': [],
               'search': ['--population', '500', '--generations', '250', '--k', '16']},
 }
 METHODS = ('base', 'mixup', 'cutmix', 'random_pm', 'guided_pm')
+FINAL_LOSSES = ('image', 'total')
 
 
 DESCRIPTION = '''The paper's four phases end to end, with the baselines at the same budget, and a report.
 
 Per seed: (1) Random PatchMix f_T, (2) the search with f_T as fitness, (3) a grid of guided samples, (4) the final
 Guided PatchMix model f_O on clean, random and guided samples; Base, Mixup and CutMix train at the same budget.
+A held-out part of the training split (--holdout) selects each run's best epoch and scores the search; the report's
+numbers are on the test split only.
 Finished phases are skipped on a rerun and an interrupted training or search resumes; a rerun with other settings
 stops with exit status 2 before writing anything. The report (report.md, report.json, fitness.png, pairs.png,
 masks.json, guided_samples.png) goes to --output.'''
 
 EPILOG = '''budgets (every one uses the paper's CIFAR optimiser, --recipe paper-cifar):
-  smoke   1,024 training images, 300 validation images, 2 epochs; search: population 24, 6 generations, K = 4
+  smoke   1,024 training images, 300 held-out validation images, 300 test images, 2 epochs;
+          search: population 24, 6 generations, K = 4, on 300 held-out images
   small   the whole dataset, 8 epochs; search: population 100, 30 generations, K = 8
   paper   the recipe's 400 epochs; search: population 500, 250 generations, K = 16
+with --holdout F (default 0.1) the training images come from the 1 - F not held out; small and paper test on the
+whole test split; with --holdout 0 there is no test split and "held-out" reads "validation split"
 
 examples:
   {prog}                                   # embedded data, smoke budget, a few minutes on a CPU
   {prog} --budget small --seeds 0 1 2
-  {prog} --dataset fashion_mnist --budget small --seeds 0 1 2 --train-args --train-subset 4000'''
+  {prog} --dataset fashion_mnist --budget small --seeds 0 1 2 --train-args --train-subset 4000
+  {prog} --holdout 0                       # the old way, for comparison only'''
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,23 +94,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f'which methods to run, of {", ".join(METHODS)} (guided_pm trains random_pm as f_T)')
     p.add_argument('--output', default='output/pipeline', type=directory,
                    help='folder for the report, the figures and the per-seed runs')
+    p.add_argument('--holdout', type=fraction, default=0.1, metavar='FRACTION',
+                   help='hold out this fixed random fraction of the training split in every run: it selects the best '
+                        'epoch and scores the search, and the report\'s numbers are on the test split (the '
+                        'dataset\'s validation/test split) alone; 0: the old way, the validation split does all '
+                        'three')
+    p.add_argument('--holdout-seed', type=nonneg_int, default=0, help='which images --holdout holds out')
+    p.add_argument('--final-loss', choices=FINAL_LOSSES, default='image',
+                   help="loss of the final Guided PatchMix model f_O: 'image', the image loss L_O alone (the "
+                        "paper's text), or 'total', L_T = (L_O + L_P/P^2)/2 as f_T; Random PatchMix f_T always "
+                        "trains on L_T")
     p.add_argument('--train-args', nargs=argparse.REMAINDER, default=[], metavar='FLAG',
                    help='extra train.py flags for every training run, e.g. --train-subset 4000 (last on the line)')
     return p
 
 
 SETTINGS_FILE = 'settings.json'
+# what a phase folder recorded before these settings existed ran with: no holdout, f_O on L_T
+LEGACY_SETTINGS = {'--holdout': 0.0, '--holdout-seed': None, '--final-loss': 'total'}
+
+
+def _holdout(args) -> float:
+    return float(getattr(args, 'holdout', 0.0) or 0.0)
 
 
 def _phase_settings(args, seed: int, inputs: Dict[str, Any] = None) -> Dict[str, Any]:
-    """What a phase's outputs depend on; ``inputs`` adds files made by earlier phases, compared by content."""
+    """What a phase's outputs depend on; ``inputs`` adds files made by earlier phases, compared by content (and the
+    final model's ``--final-loss``)."""
     return dict({'--budget': args.budget, '--dataset': args.dataset, '--data-dir': args.data_dir,
-                 '--model': args.model, 'seed': seed, '--train-args': list(args.train_args)}, **(inputs or {}))
+                 '--model': args.model, 'seed': seed, '--train-args': list(args.train_args),
+                 '--holdout': _holdout(args), '--holdout-seed': args.holdout_seed if _holdout(args) else None},
+                **(inputs or {}))
+
+
+def _guided_settings(args, table: Optional[str] = None) -> Dict[str, Any]:
+    out = {'--final-loss': args.final_loss}
+    if table is not None:
+        out['table'] = file_record(table)
+    return out
 
 
 def _check_phase(args, folder: str, settings: Dict[str, Any]) -> bool:
     """Refuse a phase folder made with other settings (:class:`SettingsChangedError`); True when it has a record."""
     recorded = read_settings(os.path.join(folder, SETTINGS_FILE))
+    if recorded is not None:
+        for key, value in LEGACY_SETTINGS.items():
+            if key in settings:
+                recorded.setdefault(key, value)
     if recorded is None:
         if os.path.isdir(folder) and os.listdir(folder):
             raise SettingsChangedError(
@@ -130,7 +171,8 @@ def _check_all_phases(args) -> None:
         if 'guided_pm' in args.methods:
             names += ['search', 'guided_pm']
         for name in names:
-            _check_phase(args, os.path.join(root, name), _phase_settings(args, seed))
+            _check_phase(args, os.path.join(root, name),
+                         _phase_settings(args, seed, _guided_settings(args) if name == 'guided_pm' else None))
 
 
 def _done(folder: str) -> bool:
@@ -156,9 +198,9 @@ class _Trainer:
 
 
 def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] = None,
-           trainer: Optional[_Trainer] = None) -> Dict[str, Any]:
+           trainer: Optional[_Trainer] = None, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Train phase ``name`` (train.py's ``flags`` with the budget's and ``--train-args``) unless it is done; its
-    ``done.json`` record."""
+    ``done.json`` record (with ``extra``)."""
     from .train import parse_config
     root = os.path.join(args.output, f'seed{seed}')
     folder = os.path.join(root, name)
@@ -169,14 +211,28 @@ def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] 
               '--no-progress', '--log-interval', '1000000'] + BUDGETS[args.budget]['train']
     if args.data_dir:
         common += ['--data-dir', args.data_dir]
+    if _holdout(args):
+        common += ['--holdout', repr(_holdout(args)), '--holdout-seed', str(args.holdout_seed)]
+        common += BUDGETS[args.budget]['test']
     state = os.path.join(folder, 'state.safetensors')
     if os.path.isfile(state):
         common += ['--resume', state]
     print(f'[seed {seed}] training {name}', flush=True)
     res = (trainer or _Trainer())(parse_config(common + flags + list(args.train_args)))
+    _mark(folder, dict(run_record(name, seed, folder, res), **(extra or {})))
+    return json.load(open(os.path.join(folder, 'done.json')))
+
+
+def run_record(name: str, seed: int, folder: str, res) -> Dict[str, Any]:
+    """A training phase's ``done.json``: top-1 of the final and of the best epoch's weights on the split the report
+    gives (``split``: the test split with a holdout, else the validation split), the held-out numbers that chose
+    the best epoch, and the images of each split."""
     info = {'method': name, 'seed': seed, 'final_top1': res.final_top1, 'best_top1': res.best_top1,
-            'epochs': len(res.rows), 'output': folder}
-    _mark(folder, info)
+            'epochs': len(res.rows), 'output': folder, 'best_epoch': res.best and res.best['epoch'],
+            'split': res.config.val_split, 'splits': res.splits}
+    if res.test is not None:
+        info.update(final_top1=res.final_test_top1, best_top1=res.best_test_top1, split='test',
+                    holdout_final_top1=res.final_top1, holdout_best_top1=res.best_top1, test=res.test)
     return info
 
 
@@ -189,6 +245,8 @@ def _search(args, seed: int, checkpoint: str) -> str:
         return table
     flags = ['--checkpoint', checkpoint, '--output', folder, '--seed', str(seed), '--no-progress']
     flags += BUDGETS[args.budget]['search']
+    if _holdout(args):  # the default for a checkpoint with a holdout; named so the record says it
+        flags += ['--val-split', 'holdout']
     if os.path.isfile(os.path.join(folder, 'search_state.safetensors')):
         flags.append('--resume')
     print(f'[seed {seed}] searching class pairs and masks', flush=True)
@@ -197,6 +255,13 @@ def _search(args, seed: int, checkpoint: str) -> str:
           flush=True)
     _mark(folder, {'table': table})
     return table
+
+
+def guided_flags(args, head: str, table: str) -> List[str]:
+    """train.py flags of the final Guided PatchMix model f_O: with ``--final-loss image``, the image loss L_O alone
+    (``--no-patch-loss``), as the paper's text has f_O minimise L_O; with ``total``, L_T as f_T."""
+    flags = ['--model', head, '--patchmix', '--patchmix-table', table]
+    return flags + (['--no-patch-loss'] if args.final_loss == 'image' else [])
 
 
 def _flag_values(flags: List[str]) -> Dict[str, str]:
@@ -208,26 +273,93 @@ def budget_record(args, results: List[Dict[str, Any]]) -> Dict[str, Any]:
     """What the runs were given: training and validation images (the subset sizes, or the whole split), the epochs
     the runs trained, and the search's population, generations and K."""
     from .train import build_parser as train_parser
-    t = train_parser().parse_args(BUDGETS[args.budget]['train'] + list(args.train_args))
+    test = BUDGETS[args.budget]['test'] if _holdout(args) else []
+    t = train_parser().parse_args(BUDGETS[args.budget]['train'] + test + list(args.train_args))
     s = _flag_values(BUDGETS[args.budget]['search'])
     epochs = sorted({int(r['epochs']) for r in results if 'epochs' in r})
     return {'budget': args.budget, 'train_images': t.train_subset, 'val_images': t.val_subset,
+            'test_images': t.test_subset,
             'epochs': epochs[0] if len(epochs) == 1 else epochs, 'recipe': t.recipe,
             'search': ({'population': int(s['--population']), 'generations': int(s['--generations']),
-                        'k': int(s['--k'])} if 'guided_pm' in args.methods else None)}
+                        'k': int(s['--k'])} if 'guided_pm' in args.methods else None),
+            'holdout': _holdout(args)}
 
 
 def budget_text(b: Dict[str, Any]) -> str:
     def images(n, split):
         return f'{n:,} {split} images (a fixed random subset)' if n else f'the whole {split} split'
     epochs = b['epochs'] if not isinstance(b['epochs'], list) else '/'.join(map(str, b['epochs']))
+    held = b.get('holdout')
+    test = f'{images(b.get("test_images"), "test")}, ' if held else ''
     text = (f'Budget `{b["budget"]}`: {images(b["train_images"], "training")}, '
-            f'{images(b["val_images"], "validation")}, {epochs} epoch{"" if epochs == 1 else "s"} '
-            f'(recipe `{b["recipe"]}`)')
+            f'{images(b["val_images"], "held-out validation" if held else "validation")}, {test}{epochs} '
+            f'epoch{"" if epochs == 1 else "s"} (recipe `{b["recipe"]}`)')
     if b['search']:
         text += (f'; search: population {b["search"]["population"]}, {b["search"]["generations"]} generations, '
                  f'K = {b["search"]["k"]}')
     return text + '.'
+
+
+def splits_record(args, results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Which images did what: the holdout (fraction, seed, images, the SHA-256 of its indices), the split that chose
+    each run's best epoch, the split the search scored its genes on, the split the report's numbers are on, the
+    images of each as the runs counted them, and the losses of f_T and f_O."""
+    holdout = _holdout(args)
+    run = next((r for r in results if r.get('splits')), None)
+    sp = run['splits'] if run else None
+    val_split = next((r['split'] for r in results if r.get('split') and r['split'] != 'test'), None)
+    if holdout:
+        hold = dict(sp['holdout']) if sp and sp.get('holdout') else {'fraction': holdout, 'seed': args.holdout_seed}
+        selection, test_split = 'holdout', (sp['test'] if sp else None)
+        images = {'train': sp and sp['train_images'], 'holdout_evaluated': sp and sp['val_images'],
+                  'test': sp and sp['test_images']}
+    else:
+        hold, selection, test_split = None, (sp['selection'] if sp else val_split) or 'validation', None
+        images = {'train': sp and sp['train_images'], 'validation': sp and sp['val_images'], 'test': None}
+    guided = 'guided_pm' in args.methods
+    patch = guided or 'random_pm' in args.methods
+    scored = next((r['search_scored_on'] for r in results if r.get('search_scored_on')), None)
+    if guided:
+        images['search'] = scored and scored.get('images')
+    return {'holdout': hold, 'selection_split': selection,
+            'search_split': ((scored or {}).get('split') or selection) if guided else None,
+            'reported_split': 'test' if holdout else selection, 'test_split': test_split, 'images': images,
+            'losses': {'random_pm': 'total' if patch else None,
+                       'guided_pm': getattr(args, 'final_loss', 'total') if guided else None}}
+
+
+def splits_text(sp: Dict[str, Any]) -> List[str]:
+    """The report's lines on the splits and the losses."""
+    def n(v):
+        return f'{v:,} images' if isinstance(v, int) else 'images'
+    im = sp['images']
+    if sp['holdout']:
+        h = sp['holdout']
+        held = f', {n(h["images"])}' if h.get('images') else ''
+        searched = ''
+        if sp['search_split'] == 'holdout':
+            searched = f'; the search scored its genes on {n(im.get("search"))} of it'
+        elif sp['search_split']:
+            searched = f'; the search scored its genes on split `{sp["search_split"]}`'
+        lines = [f'Splits: a fixed {h["fraction"] * 100:g}% of the training split (seed {h["seed"]}{held}) is held out '
+                 f'and never trained on; {n(im["holdout_evaluated"])} of it selected each run\'s best '
+                 f'epoch{searched} (each a fixed random subset of the held-out images, the smaller inside the larger). '
+                 f'The numbers below are on the test split alone (`{sp["test_split"]}`, {n(im["test"])}), evaluated '
+                 f'once at the end of each run and used for no choice.']
+    else:
+        searched = ''
+        if sp['search_split']:
+            searched = f' (the search scored its genes on {n(im.get("search"))} of split `{sp["search_split"]}`)'
+        lines = [f'Splits: no holdout (`--holdout 0`, the old way): the validation split (`{sp["selection_split"]}`, '
+                 f'{n(im["validation"])}) selected each run\'s best epoch{searched} and gives the numbers below, so '
+                 f'they are not held-out test numbers.']
+    loss = sp['losses']
+    if loss['guided_pm']:
+        fo = ('the image loss L_O alone (`--final-loss image`, as the paper\'s text has f_O minimise L_O)'
+              if loss['guided_pm'] == 'image' else 'L_T, as f_T (`--final-loss total`)')
+        lines += ['', f'Losses: Random PatchMix f_T trains on L_T = (L_O + L_P/P²)/2; the final Guided PatchMix model '
+                      f'f_O on {fo}.']
+    return lines
 
 
 def ranking_note(budget: str, seeds: List[int], summary: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
@@ -269,13 +401,16 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
         if rs:
             summary[m] = {'final_top1': [r['final_top1'] for r in rs], 'best_top1': [r['best_top1'] for r in rs]}
     budget = budget_record(args, results)
+    splits = splits_record(args, results)
     ranking = ranking_note(args.budget, list(args.seeds), summary)
     versions = {'timm_patchmix': __version__, 'torch': torch.__version__, 'timm': timm.__version__}
     seeds = ', '.join(str(s) for s in args.seeds)
     spread = 'mean ± std over seeds' if len(args.seeds) > 1 else 'one seed, so single runs with no spread'
+    where = ('the test split, with the weights of the final epoch (and of the best epoch on the held-out images)'
+             if splits['holdout'] else 'the validation split, final epoch (and best epoch)')
     lines = [f'# PatchMix pipeline: {args.dataset or "patchshapes (embedded)"}, {args.model}, budget {args.budget}',
-             '', budget_text(budget), '',
-             f'Seeds: {seeds}. Top-1 (%) on the validation split, final epoch (and best epoch); {spread}.', '',
+             '', budget_text(budget), ''] + splits_text(splits) + [
+             '', f'Seeds: {seeds}. Top-1 (%) on {where}; {spread}.', '',
              '| method | final top-1 | best top-1 | runs |', '|---|---|---|---|']
 
     def fmt(v):
@@ -295,7 +430,7 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
     atomic_write_text(os.path.join(args.output, 'report.md'), text)
     atomic_write_text(os.path.join(args.output, 'report.json'), json.dumps(
         {'dataset': args.dataset, 'model': args.model, 'budget': args.budget, 'budget_detail': budget,
-         'seeds': args.seeds, 'methods': summary, 'ranking': ranking, 'versions': versions,
+         'splits': splits, 'seeds': args.seeds, 'methods': summary, 'ranking': ranking, 'versions': versions,
          'wall_time_s': None if wall_time_s is None else round(wall_time_s, 1),
          'wall_time_note': 'this invocation only: phases finished by an earlier invocation were reused, not rerun',
          'runs': results}, indent=1))
@@ -304,11 +439,16 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
 
 def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
     """Parse ``--train-args`` with train.py's own parser before any phase runs, so that an out-of-range value stops
-    the pipeline at once (exit status 2, the flag and value named) rather than after the phases before it."""
+    the pipeline at once (exit status 2, the flag and value named) rather than after the phases before it. The
+    holdout is the pipeline's own flag, so that its training runs, search and report agree on it."""
     from .train import build_parser as train_parser
     tp = train_parser()
     tp.prog = f'{parser.prog} --train-args'
     tp.parse_args(list(args.train_args))
+    for flag in ('--holdout', '--holdout-seed'):
+        if any(a == flag or a.startswith(flag + '=') for a in args.train_args):
+            parser.error(f'{flag} in --train-args: give the pipeline\'s own {flag}, which its training runs, '
+                         f'search and report share')
 
 
 def main(argv=None, *, on_train_step=None) -> str:
@@ -338,14 +478,16 @@ def main(argv=None, *, on_train_step=None) -> str:
         if 'guided_pm' in args.methods:
             table = _search(args, seed, os.path.join(ft['output'], 'best.safetensors'))
             search_dir = os.path.dirname(table)
-            guided = {'table': file_record(table)}  # checked before the samples are drawn from the table
+            guided = _guided_settings(args, table)  # checked before the samples are drawn from the table
             _check_phase(args, os.path.join(args.output, f'seed{seed}', 'guided_pm'),
                          _phase_settings(args, seed, guided))
             samples = os.path.join(search_dir, 'guided_samples.png')
             if not os.path.isfile(samples):
                 render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)
-            results.append(_train(args, seed, 'guided_pm', ['--model', head, '--patchmix', '--patchmix-table', table],
-                                  guided, trainer=trainer))
+            with open(table, encoding='utf-8') as fh:  # which images the search scored, for the report
+                scored = {'search_scored_on': (json.load(fh).get('search_args') or {}).get('scored_on')}
+            results.append(_train(args, seed, 'guided_pm', guided_flags(args, head, table), guided, trainer=trainer,
+                                  extra=scored))
             if seed == args.seeds[0]:
                 for f in ('fitness.png', 'pairs.png', 'masks.json', 'guided_samples.png'):
                     src = os.path.join(search_dir, f)

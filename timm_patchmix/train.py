@@ -48,11 +48,21 @@ def _dataset_flags(g) -> None:
     g.add_argument('--dataset', default='', help="'' (embedded patchshapes, or an image folder with --data-dir), "
                    "'patchshapes', 'fashion_mnist' (IDX files on disk), or a timm name such as torch/cifar10")
     g.add_argument('--train-split', default='train')
-    g.add_argument('--val-split', default='validation')
+    g.add_argument('--val-split', default='validation',
+                   help='the split every epoch is evaluated on; with --holdout, the test split, evaluated once at '
+                        'the end')
     g.add_argument('--dataset-download', action='store_true', default=False)
-    g.add_argument('--train-subset', type=positive_int, default=None, help='train on a fixed random subset of N images')
+    g.add_argument('--train-subset', type=positive_int, default=None,
+                   help='train on a fixed random subset of N images (with --holdout, of the images not held out)')
     g.add_argument('--val-subset', type=positive_int, default=None,
-                   help='validate on a fixed random subset of N images')
+                   help='validate on a fixed random subset of N images (with --holdout, of the held-out images)')
+    g.add_argument('--holdout', type=fraction, default=0.0, metavar='FRACTION',
+                   help='hold out this fixed random fraction of the training split: it never trains, and every '
+                        'epoch is evaluated on it (best epoch, --eval-metric); --val-split becomes the test split, '
+                        'evaluated at the end (0: off, every epoch is evaluated on --val-split)')
+    g.add_argument('--holdout-seed', type=nonneg_int, default=0, help='which images --holdout holds out')
+    g.add_argument('--test-subset', type=positive_int, default=None,
+                   help='with --holdout, test on a fixed random subset of N images of --val-split (default: all)')
 
 
 def _model_flags(g) -> None:

@@ -12,7 +12,7 @@ import math
 from typing import Any, Callable, Dict, Optional, Type
 
 __all__ = ['Fields', 'is_int', 'is_number', 'MODEL_KWARGS', 'check_model_kwargs', 'check_weights_meta',
-           'check_hub_config', 'check_python_rng']
+           'check_holdout_record', 'check_hub_config', 'check_python_rng']
 
 
 def is_int(v: Any) -> bool:
@@ -170,9 +170,11 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
         if meta.get(key) is not None:
             f.dict(meta[key], key)
     data = meta.get('data') or {}
-    for key in ('dataset', 'data_dir', 'val_split', 'interpolation'):
+    for key in ('dataset', 'data_dir', 'train_split', 'val_split', 'interpolation'):
         if data.get(key) is not None:
             f.str(data[key], f'data.{key}')
+    if data.get('holdout') is not None:
+        check_holdout_record(data['holdout'], f, 'data.holdout')
     if data.get('input_size') is not None:
         f.input_size(data['input_size'], 'data.input_size')
     for key in ('mean', 'std'):
@@ -194,6 +196,25 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
     if meta.get('command') is not None:
         f.str(meta['command'], 'command')
     return meta
+
+
+def check_holdout_record(rec: Any, f: Fields, field: str = 'holdout') -> Dict[str, Any]:
+    """A holdout record (:meth:`timm_patchmix.holdout.Holdout.record`): fraction in (0, 1), seed, split, sizes and
+    the SHA-256 of the held-out indices."""
+    f.dict(rec, field)
+    fraction = rec.get('fraction')
+    if not is_number(fraction) or not 0.0 < fraction < 1.0:
+        f.fail(f'{field}.fraction', 'a number in (0, 1)', fraction)
+    f.int(rec.get('seed'), f'{field}.seed', lo=0)
+    if rec.get('split') is not None:
+        f.str(rec['split'], f'{field}.split', nonempty=True)
+    for key in ('split_images', 'images'):
+        if rec.get(key) is not None:
+            f.int(rec[key], f'{field}.{key}', lo=1)
+    sha = rec.get('sha256')
+    if sha is not None and not (isinstance(sha, str) and len(sha) == 64 and all(c in '0123456789abcdef' for c in sha)):
+        f.fail(f'{field}.sha256', 'a SHA-256 as 64 hexadecimal digits', sha)
+    return rec
 
 
 # --- Hub config.json --------------------------------------------------------------------------------------------

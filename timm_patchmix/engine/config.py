@@ -90,6 +90,11 @@ class TrainConfig:
     dataset_download: bool = False
     train_subset: Optional[int] = None
     val_subset: Optional[int] = None
+    # held-out validation: a fixed fraction of the training split selects the best epoch; --val-split is then the
+    # test split, evaluated once at the end (see timm_patchmix.holdout)
+    holdout: float = 0.0
+    holdout_seed: int = 0
+    test_subset: Optional[int] = None
     # model
     model: Optional[str] = None
     pretrained: bool = False
@@ -190,6 +195,17 @@ class TrainConfig:
             if value is not None and value not in allowed:
                 raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))})',
                                   _flag(name))
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or \
+                not 0.0 <= self.holdout < 1.0:
+            raise ConfigError(f'must be a fraction in [0, 1), got {self.holdout!r}', '--holdout')
+        if isinstance(self.holdout_seed, bool) or not isinstance(self.holdout_seed, int) or self.holdout_seed < 0:
+            raise ConfigError(f'must be an integer >= 0, got {self.holdout_seed!r}', '--holdout-seed')
+        if self.test_subset is not None and not self.holdout:
+            raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
+                              'epoch is evaluated on --val-split, which --val-subset caps')
+        if self.holdout and self.val_split == self.train_split:
+            raise ConfigError(f'with --holdout, --val-split names the test split, evaluated once at the end; it is '
+                              f'the training split {self.train_split!r} here. Name the dataset\'s test split')
         if self.cutmix_minmax is not None and self.cutmix_minmax[0] > self.cutmix_minmax[1]:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from .config import DataConfig, TrainConfig
-from .errors import TrainSetupError
+from .errors import ConfigError, TrainSetupError
 from .runtime import Runtime, StridedSampler
 
 __all__ = ['Datasets', 'Loaders', 'build_datasets', 'resolve_data', 'build_mixing', 'build_loaders']
@@ -17,25 +17,40 @@ __all__ = ['Datasets', 'Loaders', 'build_datasets', 'resolve_data', 'build_mixin
 
 @dataclass
 class Datasets:
+    """The images of a run. ``val`` is what every epoch evaluates (the best epoch is chosen on it): the held-out
+    part of the training split with ``--holdout``, else ``--val-split``. ``test`` is ``--val-split`` with
+    ``--holdout`` (evaluated once at the end), else None; ``holdout`` is then the holdout's record."""
     train: Any
     val: Any
     num_classes: int
+    test: Optional[Any] = None
+    holdout: Optional[Dict[str, Any]] = None
 
     @property
     def class_names(self):
         return list(self.train.classes)
 
+    def splits(self, cfg: TrainConfig) -> Dict[str, Any]:
+        """Which images selected the best epoch and which are the test split, with their numbers, as the run's
+        records state them."""
+        if self.holdout is None:
+            return {'selection': cfg.val_split, 'test': None, 'holdout': None, 'train_images': len(self.train),
+                    'val_images': len(self.val), 'test_images': 0}
+        return {'selection': 'holdout', 'test': cfg.val_split, 'holdout': dict(self.holdout),
+                'train_images': len(self.train), 'val_images': len(self.val), 'test_images': len(self.test)}
+
 
 @dataclass
 class Loaders:
     """The loaders of a run, with what the epoch loop seeds and switches: the sampler, the generator of the train
-    loader, and the mixer (on the device) or the mixing collate (in the loader)."""
+    loader, and the mixer (on the device) or the mixing collate (in the loader); ``test`` with ``--holdout``."""
     train: Any
     val: Any
     sampler: torch.utils.data.DistributedSampler
     generator: torch.Generator
     mixer: Optional[Any] = None
     collate: Optional[Any] = None
+    test: Optional[Any] = None
 
     @property
     def mixing(self) -> Optional[Any]:
@@ -44,18 +59,36 @@ class Loaders:
 
 
 def build_datasets(cfg: TrainConfig) -> Datasets:
-    """The train and validation sets of ``cfg``, and their class count (checked against ``cfg.num_classes``)."""
-    from ..data import build_dataset, dataset_num_classes
+    """The train, validation (and, with ``--holdout``, test) sets of ``cfg``, and their class count (checked against
+    ``cfg.num_classes``).
+
+    With ``--holdout F``, a fixed random ``F`` of the whole training split (``--holdout-seed``; see
+    :mod:`timm_patchmix.holdout`) is held out first; ``--train-subset`` is drawn from the rest and ``--val-subset``
+    caps the held-out part, so the held-out images do not change with the subset sizes. ``--val-split`` becomes the
+    test split (``--test-subset`` caps it)."""
+    from ..data import build_dataset, dataset_num_classes, make_view, open_dataset
+    from ..holdout import Holdout, HoldoutError
+    test = holdout = None
     try:
-        train = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.dataset_download, cfg.train_subset)
-        val = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.val_subset)
+        if cfg.holdout:
+            base, classes = open_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.dataset_download)
+            try:
+                hold = Holdout.carve(len(base), cfg.holdout, cfg.holdout_seed, cfg.train_split)
+            except HoldoutError as e:
+                raise ConfigError(str(e)) from None
+            train_idx, val_idx = hold.subsets(cfg.train_subset, cfg.val_subset)
+            train, val, holdout = make_view(base, classes, train_idx), make_view(base, classes, val_idx), hold.record()
+            test = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.test_subset)
+        else:
+            train = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.dataset_download, cfg.train_subset)
+            val = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.val_subset)
     except FileNotFoundError as e:
         raise TrainSetupError(str(e)) from None
     n = dataset_num_classes(train)
     if cfg.num_classes is not None and cfg.num_classes != n:
         raise TrainSetupError(f'--num-classes {cfg.num_classes} does not match the {n} classes of dataset '
                               f'{cfg.dataset or "patchshapes"}')
-    return Datasets(train, val, n)
+    return Datasets(train, val, n, test, holdout)
 
 
 def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
@@ -126,10 +159,13 @@ def _seed_worker(worker_id: int) -> None:
 
 
 def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
-    """The train loader (a DistributedSampler over the ranks, whole batches only) and the validation loader (each
-    image on one rank), behind timm's PrefetchLoader unless ``--no-prefetcher``."""
-    from timm.data.loader import PrefetchLoader, fast_collate
+    """The train loader (a DistributedSampler over the ranks, whole batches only), the validation loader and, with
+    ``--holdout``, the test loader (each image on one rank), behind timm's PrefetchLoader unless
+    ``--no-prefetcher``."""
+    from timm.data.loader import PrefetchLoader
     data.train.transform, data.val.transform = _transforms(cfg)
+    if data.test is not None:
+        data.test.transform = data.val.transform
     mixer, collate = build_mixing(cfg, data.class_names)
     sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank,
                                                   shuffle=True, seed=cfg.seed, drop_last=True)
@@ -138,15 +174,25 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
         data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
         drop_last=True, pin_memory=cfg.pin_mem, worker_init_fn=_seed_worker, generator=generator,
         persistent_workers=False)
-    val = torch.utils.data.DataLoader(
-        data.val, batch_size=cfg.validation_batch_size or cfg.batch_size,
-        sampler=StridedSampler(len(data.val), rt.rank, rt.world_size), num_workers=cfg.workers,
-        collate_fn=fast_collate if cfg.prefetch else None, pin_memory=cfg.pin_mem)
     if len(train) == 0:
         raise TrainSetupError(f'the training set has {len(data.train)} images, fewer than one batch of '
                               f'{cfg.batch_size} per process; lower --batch-size')
+    val = _eval_loader(cfg, data.val, rt)
+    test = _eval_loader(cfg, data.test, rt) if data.test is not None else None
     if cfg.prefetch:
         dc = cfg.data_config
         train = PrefetchLoader(train, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
-        val = PrefetchLoader(val, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
-    return Loaders(train, val, sampler, generator, mixer, collate)
+    return Loaders(train, val, sampler, generator, mixer, collate, test)
+
+
+def _eval_loader(cfg: TrainConfig, dataset, rt: Runtime):
+    """A loader that evaluates ``dataset`` once over the processes (each image on one rank)."""
+    from timm.data.loader import PrefetchLoader, fast_collate
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=cfg.validation_batch_size or cfg.batch_size,
+        sampler=StridedSampler(len(dataset), rt.rank, rt.world_size), num_workers=cfg.workers,
+        collate_fn=fast_collate if cfg.prefetch else None, pin_memory=cfg.pin_mem)
+    if cfg.prefetch:
+        dc = cfg.data_config
+        loader = PrefetchLoader(loader, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
+    return loader

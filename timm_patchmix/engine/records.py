@@ -19,7 +19,8 @@ __all__ = ['RESUME_SETTINGS', 'resume_settings', 'csv_text', 'weights_meta', 'Re
 
 # what a resumed run must share with the run that wrote its state: the data, the grid, and how batches are mixed and
 # scored (the schedule, --epochs, --lr..., may change on a resume; --model and the class count are checked apart)
-RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
+RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'holdout', 'holdout_seed', 'grid', 'patchmix',
+                   'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
                    'no_prefetcher', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
@@ -32,6 +33,8 @@ def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, A
     one)."""
     out = {('--patchmix-grid' if k == 'grid' else '--' + k.replace('_', '-')): run_args[k]
            for k in RESUME_SETTINGS if k in run_args}
+    if '--holdout' in out and not out['--holdout']:
+        out['--holdout-seed'] = None  # no holdout: its seed means nothing
     if table:
         from ..settings import file_record
         path = run_args.get('patchmix_table')
@@ -48,15 +51,18 @@ def csv_text(rows: List[Dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: List[str]) -> Dict[str, Any]:
+def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: List[str],
+                 holdout: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The metadata of ``best``/``last.safetensors`` for a resolved ``cfg`` (the epoch and metrics are added per
-    epoch)."""
+    epoch). ``data.holdout`` is the holdout's record (:meth:`~timm_patchmix.holdout.Holdout.record`) when the epochs
+    were evaluated on held-out training images; ``data.val_split`` is then the test split."""
     import timm
     dc = cfg.data_config
     return {
         'model': timm.models.get_arch_name(cfg.arch), 'num_classes': cfg.num_classes, 'model_kwargs': model_kwargs,
         'class_names': list(class_names),
-        'data': {'dataset': cfg.dataset, 'data_dir': cfg.data_dir, 'val_split': cfg.val_split,
+        'data': {'dataset': cfg.dataset, 'data_dir': cfg.data_dir, 'train_split': cfg.train_split,
+                 'val_split': cfg.val_split, 'holdout': holdout,
                  'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std)},
         'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None}
         if cfg.patch_head or cfg.patchmix else None,

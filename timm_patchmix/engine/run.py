@@ -25,7 +25,13 @@ METRIC_KEYS = {'top1': 'eval_top1', 'top5': 'eval_top5', 'loss': 'eval_loss'}
 @dataclass(frozen=True)
 class TrainResult:
     """A finished run: its resolved config, its folder and files, the per-epoch rows (as in ``summary.csv``), the
-    best epoch by ``--eval-metric`` and the final and best top-1; ``fgsm`` with ``--fgsm``."""
+    best epoch by ``--eval-metric`` and the final and best top-1 on the split the epochs were evaluated on (the
+    held-out images with ``--holdout``); ``fgsm`` with ``--fgsm``.
+
+    With ``--holdout``, ``test`` holds the test split's numbers (``--val-split``, evaluated once at the end):
+    ``{'final': {'epoch', 'test_loss', 'test_top1', 'test_top5'}, 'best': {...}}``, ``best`` for the weights of the
+    best epoch (the same numbers as ``final`` when that is the last epoch). ``splits`` says which images selected
+    the best epoch and which are the test split, with their numbers and the holdout's record."""
     config: TrainConfig
     output: str
     best_path: str
@@ -37,12 +43,25 @@ class TrainResult:
     final_top1: Optional[float]
     best_top1: Optional[float]
     fgsm: Optional[Dict[float, float]] = None
+    test: Optional[Dict[str, Dict[str, Any]]] = None
+    splits: Optional[Dict[str, Any]] = None
+
+    @property
+    def final_test_top1(self) -> Optional[float]:
+        return self.test['final']['test_top1'] if self.test else None
+
+    @property
+    def best_test_top1(self) -> Optional[float]:
+        return self.test['best']['test_top1'] if self.test else None
 
     def as_dict(self) -> Dict[str, Any]:
-        """``{'output', 'rows', 'best'}`` (and ``'fgsm'``), as ``timm_patchmix.train.main`` returns it."""
+        """``{'output', 'rows', 'best'}`` (and ``'fgsm'``, ``'test'``), as ``timm_patchmix.train.main`` returns
+        it."""
         out = {'output': self.output, 'rows': list(self.rows), 'best': self.best}
         if self.fgsm is not None:
             out['fgsm'] = self.fgsm
+        if self.test is not None:
+            out['test'] = self.test
         return out
 
 
@@ -157,14 +176,63 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     if rt.primary:
         write_start(out_dir, cfg, start.rows)
         n_params = sum(p.numel() for p in model.parameters())
-        _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {len(data.train)} train / '
-                 f'{len(data.val)} val images, {num_epochs} epochs, batch {cfg.batch_size} x {rt.world_size}, '
-                 f'lr {cfg.lr:g}, output {out_dir}')
-    writer = _EpochWriter(cfg, rt, out_dir, model, optimizer, weights_meta(cfg, model_kwargs, data.class_names),
-                          settings, stepper)
+        images = (f'{len(data.train)} train / {len(data.val)} held-out val ({cfg.holdout:g} of split '
+                  f'{cfg.train_split!r}, seed {cfg.holdout_seed}) / {len(data.test)} test images'
+                  if data.test is not None else f'{len(data.train)} train / {len(data.val)} val images')
+        _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
+                 f'epochs, batch {cfg.batch_size} x {rt.world_size}, lr {cfg.lr:g}, output {out_dir}')
+    writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
+                          weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper)
     rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, writer, on_step)
+    test = None
+    if loaders.test is not None:  # the test split, once: the final weights first
+        test = {'final': _test_row(rows[-1]['epoch'] if rows else None,
+                                   validate(model, loaders.test, cfg, rt.device, stepper.autocast))}
     fgsm = _fgsm(cfg, model, data, rt, out_dir) if cfg.fgsm and rt.primary else None
-    return _result(cfg, out_dir, rows, best, fgsm)
+    if test is not None:
+        test['best'] = _test_best(cfg, rt, model, loaders, stepper, out_dir, best, test['final'])
+    splits = data.splits(cfg)
+    if test is not None and rt.primary:
+        _write_results(out_dir, cfg, splits, test, best)
+        _say(rt, f"test split {cfg.val_split!r} ({splits['test_images']} images): final top1 "
+                 f"{test['final']['test_top1']:.2f}, best epoch ({test['best']['epoch']}) top1 "
+                 f"{test['best']['test_top1']:.2f}")
+    return _result(cfg, out_dir, rows, best, fgsm, test, splits)
+
+
+def _test_row(epoch: Optional[int], ev: Dict[str, float]) -> Dict[str, Any]:
+    return {'epoch': epoch, 'test_loss': round(ev['eval_loss'], 6), 'test_top1': round(ev['eval_top1'], 4),
+            'test_top5': round(ev['eval_top5'], 4)}
+
+
+def _test_best(cfg: TrainConfig, rt: Runtime, model: nn.Module, loaders: Loaders, stepper: Stepper, out_dir: str,
+               best: Optional[Dict[str, Any]], final: Dict[str, Any]) -> Dict[str, Any]:
+    """The test split's numbers for the weights of the best epoch: those of ``final`` when it is the last epoch,
+    else ``best.safetensors`` evaluated (every process loads it once rank 0 has written it). The model keeps the
+    best weights afterwards."""
+    from ..checkpoint import load_weights
+    if best is None or best['epoch'] == final['epoch']:
+        return dict(final)
+    if rt.distributed:
+        import torch.distributed as dist
+        dist.barrier()
+    state, _ = load_weights(os.path.join(out_dir, 'best.safetensors'))
+    model.load_state_dict(state)
+    return _test_row(best['epoch'], validate(model, loaders.test, cfg, rt.device, stepper.autocast))
+
+
+def _write_results(out_dir: str, cfg: TrainConfig, splits: Dict[str, Any], test: Dict[str, Dict[str, Any]],
+                   best: Optional[Dict[str, Any]]) -> None:
+    """``results.json``: which images selected the best epoch (the holdout) and the test split's numbers for the
+    final and the best epoch's weights."""
+    import json
+    from ..checkpoint import atomic_write_text
+    doc = {'selection': {'split': 'holdout', 'metric': cfg.eval_metric, 'best_epoch': best and best['epoch'],
+                         'holdout': splits['holdout'], 'images': splits['val_images']},
+           'test': {'split': cfg.val_split, 'images': splits['test_images'], 'final': test['final'],
+                    'best': test['best']},
+           'train_images': splits['train_images']}
+    atomic_write_text(os.path.join(out_dir, 'results.json'), json.dumps(doc, indent=1) + '\n')
 
 
 def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoint, num_epochs: int, save,
@@ -221,20 +289,25 @@ class _EpochWriter:
 
 
 def _fgsm(cfg: TrainConfig, model, data: Datasets, rt: Runtime, out_dir: str) -> Dict[float, float]:
-    """FGSM top-1 on the validation set for each ``--fgsm`` eps (and 0), written beside the run's files."""
+    """FGSM top-1 of the final weights for each ``--fgsm`` eps (and 0) on the validation set (the test split with
+    ``--holdout``), written beside the run's files."""
     from ..data import pixel_transform
     from ..robustness import fgsm_accuracy, report
     dc = cfg.data_config
-    data.val.transform = pixel_transform(*dc.input_size)
-    loader = torch.utils.data.DataLoader(data.val, batch_size=cfg.validation_batch_size or cfg.batch_size)
-    res = fgsm_accuracy(model, loader, [0.0] + list(cfg.fgsm), dc.mean, dc.std, rt.device)
+    images = data.test if data.test is not None else data.val
+    transform, images.transform = images.transform, pixel_transform(*dc.input_size)
+    try:
+        loader = torch.utils.data.DataLoader(images, batch_size=cfg.validation_batch_size or cfg.batch_size)
+        res = fgsm_accuracy(model, loader, [0.0] + list(cfg.fgsm), dc.mean, dc.std, rt.device)
+    finally:
+        images.transform = transform  # the test loader evaluates the best epoch's weights after this
     report(res, out_dir)
     return res
 
 
-def _result(cfg: TrainConfig, out_dir: str, rows, best, fgsm) -> TrainResult:
+def _result(cfg: TrainConfig, out_dir: str, rows, best, fgsm, test=None, splits=None) -> TrainResult:
     top1 = [float(r['eval_top1']) for r in rows]
     return TrainResult(cfg, out_dir, os.path.join(out_dir, 'best.safetensors'),
                        os.path.join(out_dir, 'last.safetensors'), os.path.join(out_dir, 'state.safetensors'),
                        os.path.join(out_dir, 'summary.csv'), tuple(rows), best, top1[-1] if top1 else None,
-                       max(top1) if top1 else None, fgsm)
+                       max(top1) if top1 else None, fgsm, test, splits)

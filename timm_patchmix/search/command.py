@@ -1,7 +1,8 @@
 """The search's command line (``search.py``, ``python -m timm_patchmix.search``, ``timm-patchmix search``): flags into
 a :class:`~.config.SearchConfig`, :func:`~.run.search`, errors into exit statuses.
 
-Exit statuses: 0 done; 2 a usage error (a bad flag value, or a resume with changed settings, each difference named);
+Exit statuses: 0 done; 2 a usage error (a bad flag value, a ``--val-split`` the checkpoint cannot give, or a resume
+with changed settings, each difference named);
 1 a search that cannot run (a checkpoint, dataset or state that does not fit), with a one-line ``error:`` message.
 """
 from __future__ import annotations
@@ -22,13 +23,14 @@ from ..grid import grid_from_flag
 from ..settings import USAGE_ERROR, SettingsChangedError
 from ..table import MaskTable
 from .config import SCORES, SearchConfig
-from .inputs import SearchError
+from .inputs import SearchError, SearchUsageError
 from .run import search
 
 __all__ = ['build_parser', 'parse_config', 'config_from_args', 'main', 'cli']
 
 EPILOG = '''examples:
-  # the paper's settings, f_T from train.py --model patchhead_resnet32_cifar --patchmix
+  # the paper's settings, f_T from train.py --model patchhead_resnet32_cifar --patchmix --holdout 0.1
+  # (genes scored on f_T's held-out training images)
   {prog} --checkpoint output/train/rpm/best.safetensors --output output/search
   # a short search; then the same command with --resume continues an interrupted one
   {prog} --checkpoint ft.safetensors --population 100 --generations 30 --k 8
@@ -50,9 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='folder for the table, logbook, plots and state')
     d = p.add_argument_group('data (default: as the checkpoint was trained)')
     d.add_argument('--dataset', default=None, help="dataset name (default: the checkpoint's)")
-    d.add_argument('--data-dir', default=None, type=optional_directory, help="dataset folder (default: the checkpoint's)")
-    d.add_argument('--val-split', default=None, help="split the genes are scored on (default: the checkpoint's "
-                   "validation split)")
+    d.add_argument('--data-dir', default=None, type=optional_directory,
+                   help="dataset folder (default: the checkpoint's)")
+    d.add_argument('--val-split', default=None,
+                   help="split the genes are scored on: 'holdout' (the held-out images of the checkpoint's training "
+                        "split, the default when it was trained with --holdout; never its test split) or a split "
+                        "name (default without a holdout: the checkpoint's validation split)")
     d.add_argument('--val-subset', type=positive_int, default=None,
                    help='score on a fixed random subset of this many images (default: the whole split)')
     d.add_argument('--grid', type=positive_int, nargs='+', default=None, metavar='N',
@@ -132,6 +137,9 @@ def main(argv: Optional[List[str]] = None) -> MaskTable:
     cfg = _distributed(cfg)
     try:
         result = search(cfg)
+    except SearchUsageError as e:  # a --val-split the checkpoint cannot give: a usage error
+        print(f'error: {e}', file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
     except (SearchError, CheckpointError) as e:
         raise SystemExit(f'error: {e}') from None
     if not dist.is_initialized() or dist.get_rank() == 0:

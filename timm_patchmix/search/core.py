@@ -95,8 +95,9 @@ class Search:
 
     @classmethod
     def from_checkpoint(cls, cfg: SearchConfig) -> 'Search':
-        """The search ``cfg`` asks for: f_T from ``cfg.checkpoint``, K image pairs per class pair drawn from its
-        validation split, and, with ``cfg.resume``, the state in ``cfg.output``. Raises ``SearchError``,
+        """The search ``cfg`` asks for: f_T from ``cfg.checkpoint``, K image pairs per class pair drawn from the
+        split it is scored on (its held-out training images when it was trained with ``--holdout``), and, with
+        ``cfg.resume``, the state in ``cfg.output``. Raises ``SearchError``,
         ``CheckpointError`` or ``SettingsChangedError`` (a resume with other settings), naming what to change."""
         device = torch.device(cfg.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         model, meta = load_model(cfg)
@@ -114,7 +115,8 @@ class Search:
                             cfg.eval_batch_size, amp=cfg.amp, channels_last=cfg.channels_last)
         n_active = cfg.n_active or data.num_classes
         search = cls(space, grid, scorer, cfg.evolution(), class_names=data.class_names,
-                     fingerprint=dataset_fingerprint(data.dataset, data.class_names), record=cfg.record(),
+                     fingerprint=dataset_fingerprint(data.dataset, data.class_names),
+                     record=dict(cfg.record(), scored_on=data.record()),
                      settings=resume_settings(cfg, data, grid, n_active),
                      state_path=os.path.join(cfg.output, cls.STATE_FILE))
         if cfg.resume:

@@ -1,28 +1,46 @@
 """What :meth:`Search.from_checkpoint <timm_patchmix.search.core.Search.from_checkpoint>` reads: the Random-PatchMix
 model f_T, the validation images the genes are scored on, and the record of settings a resume must share.
 
+The genes are scored on the held-out images of f_T's training split when f_T was trained with ``--holdout`` (split
+``'holdout'``, the default then; the fraction and seed come from the checkpoint), never on its test split. A
+checkpoint without a holdout is scored on its validation split, as it was evaluated.
+
 Every problem is an exception naming the file or the setting and what to change: a
 :class:`~timm_patchmix.checkpoint.CheckpointError` for an unreadable checkpoint, a :class:`SearchError` for one that
-does not fit the search (no patch head, another grid or label set) or for data the search cannot use.
+does not fit the search (no patch head, another grid or label set) or for data the search cannot use, and a
+:class:`SearchUsageError` (exit status 2) for a ``--val-split`` the checkpoint cannot give: ``holdout`` without a
+holdout, or the test split of a checkpoint with one.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from ..holdout import index_hash
 from ..settings import file_record
 from .config import SearchConfig
 from .genome import MaskOps
 
-__all__ = ['SearchError', 'ValidationData', 'load_model', 'load_validation', 'resume_settings']
+__all__ = ['SearchError', 'SearchUsageError', 'HOLDOUT', 'ValidationData', 'load_model', 'load_validation',
+           'resume_settings']
+
+_logger = logging.getLogger(__name__)
+
+HOLDOUT = 'holdout'  # --val-split: the held-out images of the checkpoint's training split
 
 
 class SearchError(ValueError):
     """A search that cannot start or resume: inputs that do not fit each other or the settings, or a state file
     that cannot be used."""
+
+
+class SearchUsageError(SearchError):
+    """A flag value the checkpoint cannot honour (a usage error, exit status 2): ``--val-split holdout`` on a
+    checkpoint trained without ``--holdout``, or the test split of one trained with it."""
 
 
 def load_model(cfg: SearchConfig) -> Tuple[torch.nn.Module, Dict[str, Any]]:
@@ -47,7 +65,9 @@ def load_model(cfg: SearchConfig) -> Tuple[torch.nn.Module, Dict[str, Any]]:
 
 @dataclass
 class ValidationData:
-    """The validation split as the search uses it: its classes and labels, and its images on demand."""
+    """The images the search scores genes on: their classes and labels, and the images on demand. ``split`` is the
+    split's name (``'holdout'`` for the held-out images of the training split, whose record is ``holdout``);
+    ``indices`` are the images' indices in that split's dataset (the training split's for the holdout)."""
     dataset: str
     data_dir: str
     split: str
@@ -55,10 +75,25 @@ class ValidationData:
     labels: np.ndarray
     ds: Any
     data_meta: Dict[str, Any]
+    holdout: Optional[Dict[str, Any]] = None
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    @property
+    def indices(self) -> List[int]:
+        return list(self.ds.indices)
+
+    def record(self) -> Dict[str, Any]:
+        """Which images the genes were scored on, as the table's ``search_args['scored_on']`` records it."""
+        out = {'split': self.split, 'dataset': self.dataset, 'images': len(self.ds), 'sha256': index_hash(self.indices)}
+        if self.holdout is not None:
+            out['holdout'] = dict(self.holdout)
+        else:
+            out['note'] = ('the checkpoint was trained without --holdout: these are its evaluation split\'s images, '
+                           'the split it was also evaluated on')
+        return out
 
     def images(self, device) -> torch.Tensor:
         """Every image, normalised as f_T was trained, ``[N, C, H, W]`` on ``device``."""
@@ -73,15 +108,59 @@ class ValidationData:
         return x.to(device)
 
 
+def _is_test_split(dataset: str, data_dir: str, split: str, test_split: str) -> bool:
+    """``split`` reads the test split ``test_split``: the same name, or (for the embedded data and Fashion-MNIST, whose
+    evaluation names all open one split) any evaluation split."""
+    from ..data import is_train_split
+    one_eval_split = dataset in ('patchshapes', 'fashion_mnist') or (dataset == '' and not data_dir)
+    return split == test_split or (one_eval_split and not is_train_split(split) and not is_train_split(test_split))
+
+
+def _scored_split(cfg: SearchConfig, data: Dict[str, Any], dataset: str, data_dir: str) -> str:
+    """The split the genes are scored on: ``--val-split``, else ``'holdout'`` for a checkpoint trained with a
+    holdout, else the checkpoint's validation split. :class:`SearchUsageError` for a split the checkpoint cannot
+    give or must not be scored on."""
+    holdout = data.get('holdout')
+    test_split = data.get('val_split', 'validation')
+    split = cfg.val_split or (HOLDOUT if holdout else test_split)
+    if split == HOLDOUT and not holdout:
+        raise SearchUsageError(
+            f'--val-split holdout: {cfg.checkpoint} was trained without --holdout, so it records no held-out '
+            f'images to score the genes on. Train f_T with train.py --holdout FRACTION (the pipeline does by '
+            f'default), or name a split with --val-split')
+    if split != HOLDOUT and holdout and _is_test_split(dataset, data_dir, split, test_split):
+        raise SearchUsageError(
+            f'--val-split {split}: {cfg.checkpoint} was trained with --holdout {holdout["fraction"]:g}, which makes '
+            f'{test_split!r} its test split; the search must not see the test split. Leave --val-split unset (or '
+            f'pass --val-split holdout) to score the genes on its held-out training images')
+    if not holdout and cfg.val_split is None:
+        _logger.warning('%s was trained without --holdout: scoring the genes on its evaluation split %r, the split '
+                        'that also selected its best epoch; train f_T with --holdout to keep the search off the test '
+                        'split', cfg.checkpoint, split)
+    return split
+
+
 def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> ValidationData:
-    """The validation split of ``cfg`` (default: the checkpoint's), checked against the model's classes."""
-    from ..data import build_dataset, dataset_num_classes
+    """The images of ``cfg``'s split (see :func:`_scored_split`), checked against the model's classes; ``--val-subset``
+    keeps a fixed random subset of them (of the held-out images by the rule ``train.py --val-subset`` uses, so
+    the same value scores the images f_T's epochs were evaluated on)."""
+    from ..data import build_dataset, dataset_num_classes, make_view, open_dataset
+    from ..holdout import Holdout, HoldoutError
     data = meta.get('data', {})
     dataset = cfg.dataset if cfg.dataset is not None else data.get('dataset', '')
     data_dir = cfg.data_dir if cfg.data_dir is not None else data.get('data_dir', '')
-    split = cfg.val_split or data.get('val_split', 'validation')
+    split = _scored_split(cfg, data, dataset, data_dir)
+    holdout = data.get('holdout') if split == HOLDOUT else None
     try:
-        ds = build_dataset(dataset, data_dir, split, subset=cfg.val_subset)
+        if holdout is not None:
+            base, classes = open_dataset(dataset, data_dir, data.get('train_split', 'train'))
+            try:
+                hold = Holdout.from_record(holdout, len(base), f'{cfg.checkpoint}')
+            except HoldoutError as e:
+                raise SearchError(str(e)) from None
+            ds = make_view(base, classes, hold.subsets(val_subset=cfg.val_subset)[1])
+        else:
+            ds = build_dataset(dataset, data_dir, split, subset=cfg.val_subset)
     except FileNotFoundError as e:
         raise SearchError(str(e)) from None
     try:
@@ -97,7 +176,7 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     names = list(ds.classes) or [str(i) for i in range(num_classes)]
     labels = np.array([ds.base.targets[i] for i in ds.indices]) if hasattr(ds.base, 'targets') else \
         np.array([ds[i][1] for i in range(len(ds))])
-    return ValidationData(dataset, data_dir, split, names, labels, ds, data)
+    return ValidationData(dataset, data_dir, split, names, labels, ds, data, holdout)
 
 
 def resume_settings(cfg: SearchConfig, data: ValidationData, grid: Tuple[int, int], n_active: int
@@ -105,7 +184,8 @@ def resume_settings(cfg: SearchConfig, data: ValidationData, grid: Tuple[int, in
     """What the population and the cached gene scores mean, by flag: a resume must have the same (generations and
     patience only say when to stop, so a resume may change them). f_T is compared by content."""
     return {'--checkpoint': file_record(cfg.checkpoint), '--dataset': data.dataset, '--data-dir': data.data_dir,
-            '--val-split': data.split, '--val-subset': cfg.val_subset, '--grid': list(grid),
+            '--val-split': data.split, '--val-subset': cfg.val_subset, 'scored images': data.record()['sha256'],
+            '--grid': list(grid),
             '--population': cfg.population, '--n-active': n_active, '--k': cfg.k, '--seed': cfg.seed,
             '--fitness': cfg.fitness, '--score': cfg.score, '--same-class-pairs': cfg.same_class_pairs,
             '--cxpb': cfg.cxpb, '--mutpb': cfg.mutpb, '--tournsize': cfg.tournsize, '--hof': cfg.hof}

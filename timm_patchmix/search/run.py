@@ -38,7 +38,7 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
         os.makedirs(cfg.output, exist_ok=True)
         print(f'search: {s.num_classes} classes, {len(s.space)} pairs, N={s.n_active}, K={cfg.k}, population '
               f'{cfg.population}, {cfg.generations} generations, grid {s.grid[0]}x{s.grid[1]}, fitness '
-              f'{cfg.fitness} {cfg.score}', flush=True)
+              f'{cfg.fitness} {cfg.score}, scored on {_scored_on(s.record)}', flush=True)
     bar = tqdm(total=cfg.generations, initial=s.gen, desc='search', unit='gen',
                disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
 
@@ -69,6 +69,17 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
     return SearchResult(table=table, table_path=path, output=cfg.output, best_fitness=table.best_fitness,
                         generations=s.gen, stopped_early=s.gen < cfg.generations, logbook=tuple(s.logbook),
                         forward_images=s.scorer.forward_images)
+
+
+def _scored_on(record: Dict[str, Any]) -> str:
+    on = record.get('scored_on') or {}
+    if not on:
+        return 'the validation split'
+    if on.get('holdout'):
+        h = on['holdout']
+        return (f"{on['images']} held-out images of split {h.get('split', 'train')!r} ({h['fraction']:g}, seed "
+                f"{h['seed']})")
+    return f"{on['images']} images of split {on['split']!r}"
 
 
 def write_logbook(rows: List[Dict[str, Any]], path: str) -> None:
