@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'PILView', 'build_dataset',
+__all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
+           'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
            'small_image_transform', 'pixel_transform', 'read_idx']
 
@@ -194,6 +195,79 @@ class FashionMNISTFiles(_LabelledImages):
         return (self.transform(img) if self.transform is not None else img), self.targets[index]
 
 
+# --------------------------------------------------------------------------------------------------------------
+# scikit-learn's handwritten digits (sklearn.datasets.load_digits: 1,797 real 8x8 greyscale images, 10 classes)
+
+DIGITS_CLASSES = tuple(str(d) for d in range(10))
+DIGITS_TEST_IMAGES = 500
+DIGITS_SPLIT_SEED = 0
+DIGITS_FIX = "pip install 'timm_patchmix[study]'"
+
+
+def _load_digits():
+    """``(images uint8 [1797, 8, 8], targets int64 [1797])``: the digits with their 0..16 values scaled to 0..255 as
+    ``v * 255 // 16`` (integer floor: 0 -> 0, 8 -> 127, 16 -> 255). FileNotFoundError without scikit-learn (the
+    data ships inside it), which the entry points report as they report any missing dataset."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise FileNotFoundError(f'--dataset sklearn_digits reads the digits bundled with scikit-learn, which is not '
+                                f'installed; install it with `{DIGITS_FIX}` (or `pip install scikit-learn`)') from None
+    d = load_digits()
+    values = np.rint(d.images).astype(np.int64)
+    if values.min() < 0 or values.max() > 16 or not np.array_equal(values, d.images):
+        raise ValueError('scikit-learn\'s digits are not integers in 0..16')
+    return (values * 255 // 16).astype(np.uint8), np.asarray(d.target, dtype=np.int64)
+
+
+def digits_split(targets, test_images: int = DIGITS_TEST_IMAGES, seed: int = DIGITS_SPLIT_SEED):
+    """``(train, test)``: sorted index arrays of a fixed split of ``targets``, stratified per class.
+
+    Class ``c`` with ``n_c`` of the ``N`` images gives ``test_images * n_c / N`` test images, rounded down, and the
+    images still missing from ``test_images`` go one each to the classes with the largest remainders (ties to the
+    lower class). Which images of a class are tested comes from one ``numpy.random.default_rng(seed)`` that
+    permutes each class's indices in class order, so the split is the same in every process and run."""
+    targets = np.asarray(targets, dtype=np.int64)
+    classes, counts = np.unique(targets, return_counts=True)
+    quota = test_images * counts / len(targets)
+    take = np.floor(quota).astype(np.int64)
+    order = sorted(range(len(classes)), key=lambda i: (-(quota[i] - take[i]), i))
+    take[order[:test_images - int(take.sum())]] += 1
+    rng = np.random.default_rng(seed)
+    test = []
+    for c, k in zip(classes, take):
+        idx = np.flatnonzero(targets == c)
+        test.append(idx[rng.permutation(len(idx))[:k]])
+    test = np.sort(np.concatenate(test))
+    train = np.setdiff1d(np.arange(len(targets)), test)
+    return train, test
+
+
+class SklearnDigits(_LabelledImages):
+    """scikit-learn's handwritten digits (``sklearn.datasets.load_digits``): 1,797 real 8x8 greyscale images of the
+    digits 0..9, classes ``'0'``..``'9'``; needs scikit-learn (``pip install 'timm_patchmix[study]'``).
+
+    ``split='train'`` holds 1,297 images and any evaluation split (``'test'``, ``'validation'``...) the other 500,
+    a fixed split stratified per class (:func:`digits_split`, seed 0). Pixels are scaled from 0..16 to 0..255 as
+    ``v * 255 // 16``. Items are ``(PIL.Image 'L' 8x8, label)``, through ``transform`` when set.
+    """
+    classes = DIGITS_CLASSES
+
+    def __init__(self, split: str = 'train', transform: Optional[Callable] = None):
+        images, targets = _load_digits()
+        train, test = digits_split(targets)
+        self.split = 'train' if is_train_split(split) else 'test'
+        self.indices = train if self.split == 'train' else test
+        self.images = images[self.indices]
+        self.targets = targets[self.indices].tolist()
+        self.transform = transform
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+        img = Image.fromarray(self.images[index])  # uint8 [8, 8]: mode 'L'
+        return (self.transform(img) if self.transform is not None else img), self.targets[index]
+
+
 class PILView(Dataset):
     """Items of a dataset as ``(PIL image, label)`` passed through ``transform``, over an optional index subset."""
 
@@ -222,6 +296,8 @@ def open_dataset(name: str, root: str = '', split: str = 'train', download: bool
         base = PatchShapes('validation' if eval_split else 'train')
     elif name == 'fashion_mnist':
         base = FashionMNISTFiles(root or None, 'test' if eval_split else 'train')
+    elif name == 'sklearn_digits':
+        base = SklearnDigits(split)
     else:
         from timm.data import create_dataset
         if name == '' and not os.path.isdir(root):
@@ -270,7 +346,8 @@ def build_dataset(name: str, root: str = '', split: str = 'train', download: boo
     """Open a dataset as a :class:`PILView` with ``classes`` set.
 
     ``name``: ``''`` or ``'patchshapes'`` (embedded default; with ``''`` and a ``root``, an image folder as in
-    timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), or any timm dataset name
+    timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), ``'sklearn_digits'``
+    (:class:`SklearnDigits`, from scikit-learn; ``root`` is not used), or any timm dataset name
     (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
     ``subset`` of the items (:func:`subset_indices`).
     """

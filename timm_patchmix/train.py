@@ -46,7 +46,9 @@ def _dataset_flags(g) -> None:
                    help='path to dataset (positional, as in timm)')
     g.add_argument('--data-dir', default=None, type=optional_directory, help='path to dataset root')
     g.add_argument('--dataset', default='', help="'' (embedded patchshapes, or an image folder with --data-dir), "
-                   "'patchshapes', 'fashion_mnist' (IDX files on disk), or a timm name such as torch/cifar10")
+                   "'patchshapes', 'fashion_mnist' (IDX files on disk), 'sklearn_digits' (scikit-learn's 8x8 "
+                   "digits: 1,297 train / 500 test, needs timm_patchmix[study]), or a timm name such as "
+                   "torch/cifar10")
     g.add_argument('--train-split', default='train')
     g.add_argument('--val-split', default='validation',
                    help='the split every epoch is evaluated on; with --holdout, the test split, evaluated once at '
@@ -71,6 +73,14 @@ def _model_flags(g) -> None:
     g.add_argument('--initial-checkpoint', default='', type=optional_file,
                    help='start from these weights (safetensors)')
     g.add_argument('--resume', default='', type=optional_file, help='resume from a training state (state.safetensors)')
+    g.add_argument('--reset-head', action='store_true', default=False,
+                   help='after --pretrained/--initial-checkpoint weights are loaded, re-initialise the classifier '
+                        '(and a patchhead_ model\'s patch head) for the dataset\'s classes, even when their number '
+                        'is the same')
+    g.add_argument('--linear-probe', action='store_true', default=False,
+                   help='train only the classifier (and a patchhead_ model\'s patch classifier while the patch loss '
+                        'is on); the rest of the model is frozen and stays in eval mode. Does not reset the head: '
+                        'add --reset-head for a fresh one')
     g.add_argument('--num-classes', type=positive_int, default=None)
     g.add_argument('--in-chans', type=positive_int, default=None)
     g.add_argument('--img-size', type=positive_int, default=None)

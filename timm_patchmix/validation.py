@@ -227,7 +227,13 @@ def check_hub_config(cfg: Dict[str, Any], f: Fields) -> Dict[str, Any]:
     if cfg.get('label_names') is not None:
         f.str_list(cfg['label_names'], 'label_names', n)
     if 'model_args' in cfg:
-        check_model_kwargs(cfg['model_args'], f, 'model_args')
+        args = cfg['model_args']
+        if isinstance(args, dict) and 'num_classes' in args:  # timm's save_for_hf/push_to_hf_hub write it there too
+            f.int(args['num_classes'], 'model_args.num_classes', lo=1)
+            if n is not None and args['num_classes'] != n:
+                raise f.error(f'{f.where}: model_args.num_classes {args["num_classes"]} differs from num_classes {n}')
+            args = {k: v for k, v in args.items() if k != 'num_classes'}
+        check_model_kwargs(args, f, 'model_args')
     pcfg = cfg.get('pretrained_cfg')
     if pcfg is not None:
         f.dict(pcfg, 'pretrained_cfg')

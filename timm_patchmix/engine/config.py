@@ -100,6 +100,9 @@ class TrainConfig:
     pretrained: bool = False
     initial_checkpoint: str = ''
     resume: str = ''
+    # transfer: a fresh classifier after the weights are loaded; train the classifier only (see engine.model)
+    reset_head: bool = False
+    linear_probe: bool = False
     num_classes: Optional[int] = None
     in_chans: Optional[int] = None
     img_size: Optional[int] = None
@@ -209,6 +212,9 @@ class TrainConfig:
         if self.cutmix_minmax is not None and self.cutmix_minmax[0] > self.cutmix_minmax[1]:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')
+        if self.reset_head and not (self.pretrained or self.initial_checkpoint):
+            raise ConfigError('--reset-head re-initialises the classifier of loaded weights; add --pretrained or '
+                              '--initial-checkpoint (a model without them starts with a fresh classifier already)')
         if self.no_patch_loss and self.no_image_loss:
             raise ConfigError('--no-patch-loss and --no-image-loss together switch off the whole loss; keep one of '
                               'the terms')

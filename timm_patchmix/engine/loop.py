@@ -5,7 +5,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,8 @@ class StepEvent:
 @dataclass
 class Stepper:
     """What a training step uses. ``model`` is the module that trains (DDP- or compile-wrapped); ``scaler`` is
-    ``timm.utils.NativeScaler`` under float16 CUDA autocast, else ``None``; ``updates`` counts optimizer steps."""
+    ``timm.utils.NativeScaler`` under float16 CUDA autocast, else ``None``; ``updates`` counts optimizer steps;
+    ``frozen`` are the modules ``--linear-probe`` keeps in eval mode while the model trains."""
     model: nn.Module
     optimizer: torch.optim.Optimizer
     criterion: nn.Module
@@ -43,6 +44,13 @@ class Stepper:
     autocast: Callable = nullcontext
     scaler: Any = None
     updates: int = 0
+    frozen: Tuple[nn.Module, ...] = ()
+
+    def train_mode(self) -> None:
+        """The model in training mode, except the frozen modules, which stay in eval mode."""
+        self.model.train()
+        for m in self.frozen:
+            m.eval()
 
 
 def amp_setup(cfg: TrainConfig, device: torch.device):
@@ -117,7 +125,7 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
     from timm.utils import AverageMeter
     from tqdm import tqdm
     cfg = s.cfg
-    s.model.train()
+    s.train_mode()
     losses = AverageMeter()
     steps = len(loader)
     t0 = time.perf_counter()

@@ -11,7 +11,8 @@ import torch.nn as nn
 from .config import DEFAULT_GRID, TrainConfig
 from .errors import ConfigError, TrainSetupError
 
-__all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'load_initial_checkpoint', 'check_model_fits']
+__all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'load_initial_checkpoint', 'check_model_fits',
+           'probe_heads', 'freeze_for_linear_probe']
 
 _logger = logging.getLogger(__name__)
 SOURCES = ('hf-hub:', 'local-dir:')
@@ -65,7 +66,9 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
 
 def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str, Any]]:
     """The model ``cfg`` names with ``num_classes`` outputs, and the keyword arguments it was built with (as a
-    checkpoint records them). A keyword argument the model does not take is a :class:`ConfigError`."""
+    checkpoint records them). A keyword argument the model does not take is a :class:`ConfigError`. With
+    ``--reset-head``, ``model.reset_classifier(num_classes)`` runs once the ``--pretrained`` and
+    ``--initial-checkpoint`` weights are in (a ``patchhead_`` model's resets its patch head too)."""
     import timm
     from ..models import PatchheadWeightsError
     kwargs = _model_kwargs(cfg)
@@ -87,6 +90,10 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
             load_initial_checkpoint(model, cfg.initial_checkpoint)
         except CheckpointError as e:
             raise TrainSetupError(f'--initial-checkpoint: {e}') from None
+    if cfg.reset_head:  # after every load: a fresh head even when the class count matches the loaded one
+        model.reset_classifier(num_classes)
+        _logger.info('--reset-head: re-initialised the classifier%s for %d classes',
+                     ' and the patch head' if hasattr(model, 'patch_head') else '', num_classes)
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model, {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
@@ -152,3 +159,43 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
                               f'{input_size[1]}x{input_size[2]}: {e}') from None
     finally:
         model.train(was)
+
+
+def probe_heads(cfg: TrainConfig, model: nn.Module) -> Tuple[nn.Module, ...]:
+    """The modules ``--linear-probe`` trains in a resolved ``cfg``: ``model.get_classifier()``, and a ``patchhead_``
+    model's ``get_patch_classifier()``; a head whose loss term is off (``--no-image-loss``, ``--no-patch-loss``)
+    gets no gradient and is left out."""
+    heads = []
+    if not (cfg.patch_head and cfg.no_image_loss):
+        heads.append(model.get_classifier())
+    if cfg.patch_head and not cfg.no_patch_loss:
+        heads.append(model.get_patch_classifier())
+    return tuple(heads)
+
+
+def freeze_for_linear_probe(cfg: TrainConfig, model: nn.Module) -> Tuple[nn.Module, ...]:
+    """``--linear-probe``: every parameter outside :func:`probe_heads` gets ``requires_grad=False``. Returns the
+    frozen modules to put back in eval mode after each ``model.train()`` (the largest modules that are neither in a
+    head nor contain one), so that BatchNorm running statistics, dropout and drop-path of the trunk stay as in
+    evaluation. A module that contains a head (the model itself, a backbone) keeps its training flag."""
+    heads = probe_heads(cfg, model)
+    head_params = {id(p) for h in heads for p in h.parameters()}
+    if not head_params:
+        raise TrainSetupError(f'--linear-probe trains the classifier of {cfg.model}, which has no parameters')
+    for p in model.parameters():
+        p.requires_grad_(id(p) in head_params)
+    inside = {id(m) for h in heads for m in h.modules()}
+    names = dict(model.named_modules())
+    holders = {''}  # the modules that contain a head: the root and every ancestor of a head
+    for name, m in names.items():
+        if id(m) in inside and name:
+            parts = name.split('.')
+            holders.update('.'.join(parts[:i]) for i in range(1, len(parts)))
+    frozen = []
+    for name, m in names.items():
+        if not name or name in holders or id(m) in inside:
+            continue
+        parent = name.rpartition('.')[0]
+        if parent in holders:  # the largest frozen modules: their children follow them into eval mode
+            frozen.append(m)
+    return tuple(frozen)

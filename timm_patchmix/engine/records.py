@@ -17,14 +17,15 @@ from .errors import TrainSetupError
 __all__ = ['RESUME_SETTINGS', 'resume_settings', 'csv_text', 'weights_meta', 'ResumePoint', 'load_resume',
            'write_start', 'save_epoch']
 
-# what a resumed run must share with the run that wrote its state: the data, the grid, and how batches are mixed and
-# scored (the schedule, --epochs, --lr..., may change on a resume; --model and the class count are checked apart)
+# what a resumed run must share with the run that wrote its state: the data, the grid, how batches are mixed and
+# scored, and which parameters train (the schedule, --epochs, --lr..., may change on a resume; --model and the class
+# count are checked apart)
 RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'holdout', 'holdout_seed', 'grid', 'patchmix',
                    'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
                    'no_prefetcher', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
-                   'per_position_head')
+                   'per_position_head', 'reset_head', 'linear_probe')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:

@@ -13,7 +13,7 @@ import torch.nn as nn
 from .config import TrainConfig, resolve
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, validate
-from .model import build_model, check_model_fits, resolve_arch
+from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
 from .records import ResumePoint, load_resume, resume_settings, save_epoch, weights_meta, write_start
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
@@ -92,7 +92,7 @@ def _say(rt: Runtime, text: str) -> None:
 
 
 def _setup(cfg: TrainConfig, rt: Runtime, log_data_config: bool):
-    """Datasets, model and loaders, and the config resolved from them."""
+    """Datasets, model and loaders, the config resolved from them, and the modules ``--linear-probe`` froze."""
     seed_all(cfg.seed + rt.rank)
     data = build_datasets(cfg)
     cfg = dataclasses.replace(cfg, arch=resolve_arch(cfg.model))
@@ -103,7 +103,8 @@ def _setup(cfg: TrainConfig, rt: Runtime, log_data_config: bool):
     data_config = resolve_data(cfg, model, verbose=log_data_config and rt.primary)
     cfg = resolve(cfg, model=model, num_classes=data.num_classes, data_config=data_config, world_size=rt.world_size)
     check_model_fits(cfg, model, rt.device)
-    return cfg, data, model, model_kwargs, build_loaders(cfg, data, rt)
+    frozen = freeze_for_linear_probe(cfg, model) if cfg.linear_probe else ()
+    return cfg, data, model, model_kwargs, build_loaders(cfg, data, rt), frozen
 
 
 def _criterion(cfg: TrainConfig) -> nn.Module:
@@ -158,7 +159,7 @@ def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
 
 
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:
-    cfg, data, model, model_kwargs, loaders = _setup(cfg, rt, log_data_config)
+    cfg, data, model, model_kwargs, loaders, frozen = _setup(cfg, rt, log_data_config)
     optimizer, scheduler, num_epochs = _optimization(cfg, model, len(loaders.train))
     settings = resume_settings(cfg.record())
     start = load_resume(cfg, settings)
@@ -171,11 +172,15 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
         scheduler.step(start.start_epoch)
     autocast, scaler = amp_setup(cfg, rt.device)
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
-                      autocast, scaler, start.updates)
+                      autocast, scaler, start.updates, frozen)
     out_dir = _out_dir(cfg)
     if rt.primary:
         write_start(out_dir, cfg, start.rows)
         n_params = sum(p.numel() for p in model.parameters())
+        if cfg.linear_probe:
+            n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            _say(rt, f'--linear-probe: {n_train} of {n_params} parameters train, the rest of the model is frozen '
+                     f'in eval mode')
         images = (f'{len(data.train)} train / {len(data.val)} held-out val ({cfg.holdout:g} of split '
                   f'{cfg.train_split!r}, seed {cfg.holdout_seed}) / {len(data.test)} test images'
                   if data.test is not None else f'{len(data.train)} train / {len(data.val)} val images')

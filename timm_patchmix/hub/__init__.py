@@ -101,6 +101,8 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         with open(os.path.join(tmp, 'config.json'), encoding='utf-8') as f:
             cfg = json.load(f)
         cfg['model_args'].pop('num_classes', None)  # the root num_classes is the checkpoint's; a load may change it
+        for key in ('tag', 'origin_url'):  # they name the registered weights the architecture's cfg came from
+            cfg['pretrained_cfg'].pop(key, None)
         atomic_write_text(os.path.join(tmp, 'config.json'), json.dumps(cfg, indent=2) + '\n')
         if table_doc is not None:
             shutil.copyfile(table, os.path.join(tmp, 'masks.json'))

@@ -1,0 +1,645 @@
+"""The study behind docs/RESULTS.md: the main table, the paper's ablations, the search's K, FGSM and transfer.
+
+    python -m timm_patchmix.study --output output/study --jobs 2     # Fashion-MNIST, about 90 min on 2 CPU cores
+    python -m timm_patchmix.study --quick --output /tmp/study        # every task at tiny size (embedded data)
+
+Every run holds out a fixed, seeded 10% of the training split: its images select each run's best epoch and score the
+search's genes; the numbers reported are on the test split alone, evaluated once at the end of each run.
+
+Tasks (seeds ``main`` for the main table, ``ablation`` for the rest):
+
+- the main table: Base, Mixup, CutMix, Random PatchMix (f_T), the search on f_T, Guided PatchMix (f_O on the image
+  loss L_O); FGSM top-1 at each ``fgsm`` eps on the test split for these five;
+- Random PatchMix ablations: grid 2x2 and 8x8, image loss only, patch loss only, ``--patchmix-prob 0.5``, the paper's
+  ``batch`` mode; Guided PatchMix ablations: fitness ``max``, the clean-share control (``--guided-prob 0
+  --random-prob 0.667``, the guided model's mixer without its searched share), f_O on L_T (``--final-loss total``);
+- Base at other training-set sizes (the learning curve that places the budget);
+- the search's K: searches at each K of ``k_sweep`` on the first main seed's f_T, and how far each table's hardness
+  carries to fresh image pairs (:func:`timm_patchmix.search.generalise.table_generalisation`);
+- transfer to scikit-learn's digits (``--dataset sklearn_digits``): the Base, Random and Guided PatchMix models of
+  each main seed, exported as Hub folders and trained through ``--model local-dir:... --pretrained --reset-head``,
+  as a linear probe (``--linear-probe``) and fully fine-tuned, beside the same network trained from scratch.
+
+Each task writes ``done.json`` in its folder under ``--output``; a rerun skips finished tasks and an interrupted
+training or search resumes from its state file. ``study.json`` records the study's settings: a rerun with others
+stops with exit status 2 before anything runs. ``--jobs N`` runs N tasks at once in child processes with
+``--threads`` threads each. ``report.md``, ``report.json`` and the figures (``curves.png``, ``ablations.png``,
+``learning_curve.png``, ``k_sweep.png``, ``transfer.png``) are written at the end, or alone with ``--report``.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .checkpoint import atomic_write_text
+from .settings import USAGE_ERROR, SettingsChangedError, check_settings, read_settings, write_settings
+
+__all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
+
+# The budget: 1,000 training images (of the 54,000 not held out), 12 epochs of the paper's CIFAR optimiser,
+# channels-last (about 20% faster on a CPU), two tasks at a time with one thread each: about 80 min on a 2-core
+# machine. Base's learning curve (``lc_sizes``) shows where this budget sits.
+FULL: Dict[str, Any] = {
+    'dataset': 'fashion_mnist', 'model': 'resnet32_cifar', 'holdout': 0.1, 'holdout_seed': 0,
+    'train_subset': 1000, 'val_subset': 500, 'test_subset': 2000, 'epochs': 12, 'batch_size': 100, 'workers': 0,
+    'main_seeds': [0, 1, 2], 'ablation_seeds': [0, 1],
+    'search': {'population': 100, 'generations': 30, 'k': 8},
+    'k_sweep': {'ks': [2, 8, 16], 'population': 100, 'generations': 30, 'fresh_k': 32, 'random_masks': 16},
+    'fgsm': [0.1, 0.2, 0.3], 'lc_sizes': [250, 500, 2000],
+    'transfer': {'dataset': 'sklearn_digits', 'epochs': 6, 'lr_probe': 0.1, 'lr_finetune': 0.01},
+}
+QUICK: Dict[str, Any] = {
+    'dataset': '', 'model': 'resnet32_cifar', 'holdout': 0.1, 'holdout_seed': 0,
+    'train_subset': 96, 'val_subset': 48, 'test_subset': 48, 'epochs': 1, 'batch_size': 32, 'workers': 0,
+    'main_seeds': [0, 1], 'ablation_seeds': [0],
+    'search': {'population': 6, 'generations': 2, 'k': 2},
+    'k_sweep': {'ks': [1, 2], 'population': 6, 'generations': 2, 'fresh_k': 2, 'random_masks': 2},
+    'fgsm': [0.1], 'lc_sizes': [48],
+    'transfer': {'dataset': 'sklearn_digits', 'epochs': 1, 'lr_probe': 0.1, 'lr_finetune': 0.01,
+                 'train_subset': 96, 'test_subset': 48},
+}
+
+MAIN = ('base', 'mixup', 'cutmix', 'random_pm', 'guided_pm')
+RPM_ABLATIONS = {  # name: (label, extra train.py flags on top of Random PatchMix)
+    'rpm_grid2': ('grid 2×2', ['--patchmix-grid', '2']),
+    'rpm_grid8': ('grid 8×8', ['--patchmix-grid', '8']),
+    'rpm_image_loss': ('image loss L_O only', ['--no-patch-loss']),
+    'rpm_patch_loss': ('patch loss L_P only', ['--no-image-loss']),
+    'rpm_prob05': ('--patchmix-prob 0.5', ['--patchmix-prob', '0.5']),
+    'rpm_batch': ('batch mode (one mask per batch)', ['--patchmix-mode', 'batch']),
+}
+GPM_ABLATIONS = {  # name: (label, search task kind, extra flags)
+    'gpm_max': ('fitness max (easiest samples)', 'search_max', []),
+    'gpm_control': ('clean-share control (--guided-prob 0 --random-prob 0.667)', 'search',
+                    ['--guided-prob', '0', '--random-prob', '0.667']),
+    'gpm_total': ('f_O on L_T (--final-loss total)', 'search', None),
+}
+LABELS = {'base': 'Base', 'mixup': 'Mixup (α=1)', 'cutmix': 'CutMix (α=1)', 'random_pm': 'Random PatchMix',
+          'guided_pm': 'Guided PatchMix'}
+STUDY_FILE = 'study.json'
+
+
+@dataclass
+class Task:
+    """One unit of the study: ``kind`` is ``train``, ``search``, ``export`` or ``generalise``; ``deps`` must be
+    done first; ``spec`` says what to run."""
+    name: str
+    kind: str
+    deps: List[str] = field(default_factory=list)
+    spec: Dict[str, Any] = field(default_factory=dict)
+
+
+def _train_flags(cfg: Dict[str, Any], seed: int, extra: Sequence[str], train_subset: Optional[int] = None,
+                 epochs: Optional[int] = None) -> List[str]:
+    flags = ['--dataset', cfg['dataset'], '--recipe', 'paper-cifar', '--seed', str(seed),
+             '--holdout', repr(cfg['holdout']), '--holdout-seed', str(cfg['holdout_seed']),
+             '--train-subset', str(train_subset or cfg['train_subset']), '--val-subset', str(cfg['val_subset']),
+             '--test-subset', str(cfg['test_subset']), '--epochs', str(epochs or cfg['epochs']),
+             '-b', str(cfg['batch_size']), '-j', str(cfg['workers']), '--channels-last']
+    return flags + list(extra)
+
+
+def _search_spec(cfg: Dict[str, Any], seed: int, k: int, fitness: str = 'min', population: Optional[int] = None,
+                 generations: Optional[int] = None) -> Dict[str, Any]:
+    s = cfg['search']
+    return {'seed': seed, 'flags': ['--population', str(population or s['population']),
+                                    '--generations', str(generations or s['generations']), '--k', str(k),
+                                    '--fitness', fitness, '--val-split', 'holdout']}
+
+
+def build_tasks(cfg: Dict[str, Any]) -> Dict[str, Task]:
+    """Every task of the study with settings ``cfg`` (:data:`FULL` or :data:`QUICK`), in a runnable order."""
+    model, head = cfg['model'], f'patchhead_{cfg["model"]}'
+    fgsm = ['--fgsm'] + [repr(e) for e in cfg['fgsm']]
+    tasks: List[Task] = []
+
+    def train(name, seed, extra, deps=(), table_from=None, **kw):
+        tasks.append(Task(f'{name}/s{seed}', 'train', list(deps) + ([table_from] if table_from else []),
+                          {'method': name, 'seed': seed, 'flags': _train_flags(cfg, seed, extra, **kw),
+                           'table_from': table_from}))
+
+    rpm = ['--model', head, '--patchmix']
+    guided = ['--model', head, '--patchmix']
+    for s in cfg['main_seeds']:
+        train('base', s, ['--model', model] + fgsm)
+        train('mixup', s, ['--model', model, '--mixup', '1.0'] + fgsm)
+        train('cutmix', s, ['--model', model, '--cutmix', '1.0'] + fgsm)
+        train('random_pm', s, rpm + fgsm)
+        tasks.append(Task(f'search/s{s}', 'search', [f'random_pm/s{s}'], _search_spec(cfg, s, cfg['search']['k'])))
+        train('guided_pm', s, guided + ['--no-patch-loss'] + fgsm, table_from=f'search/s{s}')
+    for s in cfg['ablation_seeds']:
+        for name, (_, extra) in RPM_ABLATIONS.items():
+            train(name, s, rpm + extra)
+        tasks.append(Task(f'search_max/s{s}', 'search', [f'random_pm/s{s}'],
+                          _search_spec(cfg, s, cfg['search']['k'], 'max')))
+        for name, (_, search, extra) in GPM_ABLATIONS.items():
+            flags = guided + (['--no-patch-loss'] + extra if extra is not None else [])
+            train(name, s, flags, table_from=f'{search}/s{s}')
+    s0 = cfg['main_seeds'][0]
+    for n in cfg['lc_sizes']:
+        train(f'base_n{n}', s0, ['--model', model], train_subset=n)
+    ks = cfg['k_sweep']
+    same = (ks['population'], ks['generations']) == (cfg['search']['population'], cfg['search']['generations'])
+    for k in ks['ks']:
+        search = f'search/s{s0}'  # the main table's search when it is this one
+        if not (same and k == cfg['search']['k']):
+            search = f'k_sweep/k{k}'
+            tasks.append(Task(search, 'search', [f'random_pm/s{s0}'],
+                              _search_spec(cfg, s0, k, population=ks['population'], generations=ks['generations'])))
+        tasks.append(Task(f'k_sweep/k{k}_generalise', 'generalise', [search],
+                          {'search': search, 'checkpoint_from': f'random_pm/s{s0}', 'seed': s0, 'k': k,
+                           'fresh_k': ks['fresh_k'], 'random_masks': ks['random_masks']}))
+    for s in cfg['main_seeds']:
+        for source in ('base', 'random_pm', 'guided_pm'):
+            tasks.append(Task(f'export/{source}_s{s}', 'export', [f'{source}/s{s}'], {'from': f'{source}/s{s}'}))
+            for mode in ('probe', 'finetune'):
+                tasks.append(_transfer_task(cfg, f'transfer_{mode}/{source}_s{s}', s, mode,
+                                            ['--pretrained', '--reset-head'], export=f'export/{source}_s{s}'))
+        tasks.append(_transfer_task(cfg, f'transfer_finetune/scratch_s{s}', s, 'finetune', ['--model', model]))
+    return {t.name: t for t in tasks}
+
+
+def _transfer_task(cfg, name, seed, mode, extra, export=None) -> Task:
+    tr = cfg['transfer']
+    flags = ['--dataset', tr['dataset'], '--recipe', 'paper-cifar', '--seed', str(seed),
+             '--holdout', repr(cfg['holdout']), '--holdout-seed', str(cfg['holdout_seed']),
+             '--epochs', str(tr['epochs']), '-b', str(cfg['batch_size']), '-j', str(cfg['workers']),
+             '--num-classes', '10', '--channels-last',
+             '--lr', repr(tr['lr_probe'] if mode == 'probe' else tr['lr_finetune'])]
+    for key in ('train_subset', 'test_subset'):
+        if key in tr:
+            flags += [f'--{key.replace("_", "-")}', str(tr[key])]
+    flags += (['--linear-probe'] if mode == 'probe' else []) + list(extra)
+    return Task(name, 'train', [export] if export else [],
+                {'method': name.split('/')[0], 'seed': seed, 'flags': flags, 'export_from': export})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running one task
+
+def _folder(out: str, name: str) -> str:
+    return os.path.join(out, *name.split('/'))
+
+
+def _done_record(out: str, name: str) -> Optional[Dict[str, Any]]:
+    path = os.path.join(_folder(out, name), 'done.json')
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding='utf-8') as f:
+        return json.load(f)
+
+
+def _mark(out: str, name: str, info: Dict[str, Any]) -> None:
+    atomic_write_text(os.path.join(_folder(out, name), 'done.json'), json.dumps(info, indent=1))
+
+
+def run_task(out: str, task: Task) -> Dict[str, Any]:
+    """Run ``task`` (its dependencies done) unless it is done; its ``done.json`` record."""
+    done = _done_record(out, task.name)
+    if done is not None:
+        return done
+    folder = _folder(out, task.name)
+    os.makedirs(folder, exist_ok=True)
+    started = time.monotonic()
+    info = {'train': _run_train, 'search': _run_search, 'export': _run_export,
+            'generalise': _run_generalise}[task.kind](out, task, folder)
+    info.update(task=task.name, kind=task.kind, wall_s=round(time.monotonic() - started, 1))
+    _mark(out, task.name, info)
+    return info
+
+
+def _run_train(out: str, task: Task, folder: str) -> Dict[str, Any]:
+    from .engine import train
+    from .pipeline import run_record
+    from .train import parse_config
+    spec = task.spec
+    flags = list(spec['flags']) + ['--output', os.path.dirname(folder), '--experiment', os.path.basename(folder),
+                                   '--no-progress', '--log-interval', '1000000']
+    if spec.get('table_from'):
+        flags += ['--patchmix-table', _done_record(out, spec['table_from'])['table']]
+    if spec.get('export_from'):
+        flags += ['--model', 'local-dir:' + _done_record(out, spec['export_from'])['folder']]
+    state = os.path.join(folder, 'state.safetensors')
+    if os.path.isfile(state):
+        flags += ['--resume', state]
+    res = train(parse_config(flags), log_data_config=False)
+    info = run_record(spec['method'], spec['seed'], folder, res)
+    info['rows'] = [{k: r.get(k) for k in ('epoch', 'train_loss', 'eval_loss', 'eval_top1')} for r in res.rows]
+    if res.fgsm is not None:
+        info['fgsm'] = {repr(float(k)): v for k, v in res.fgsm.items()}
+    return info
+
+
+def _run_search(out: str, task: Task, folder: str) -> Dict[str, Any]:
+    from .search import parse_config, search
+    ck = os.path.join(_done_record(out, task.deps[0])['output'], 'best.safetensors')
+    flags = ['--checkpoint', ck, '--output', folder, '--seed', str(task.spec['seed']), '--no-progress']
+    flags += task.spec['flags']
+    if os.path.isfile(os.path.join(folder, 'search_state.safetensors')):
+        flags.append('--resume')
+    res = search(parse_config(flags))
+    return {'table': os.path.join(folder, 'masks.json'), 'best_fitness': res.best_fitness,
+            'pairs': len(res.table.pairs), 'checkpoint': ck}
+
+
+def _run_export(out: str, task: Task, folder: str) -> Dict[str, Any]:
+    """The source model as a Hub folder (``config.json`` + ``model.safetensors``) that ``local-dir:`` loads: a
+    ``patchhead_`` model through the Hub export, a plain model through timm's ``save_for_hf``."""
+    import timm.models
+    from .hub import export_folder
+    from .hub.load import model_from_weights
+    ck = os.path.join(_done_record(out, task.spec['from'])['output'], 'best.safetensors')
+    dest = os.path.join(folder, 'hub')
+    model, meta = model_from_weights(ck)
+    if meta['model'].startswith('patchhead_'):
+        export_folder(ck, dest, overwrite=True)
+    else:
+        tmp = dest + '.partial'
+        timm.models.save_for_hf(model, tmp, safe_serialization=True)
+        if os.path.isdir(dest):
+            import shutil
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    return {'folder': dest, 'checkpoint': ck, 'model': meta['model']}
+
+
+def _run_generalise(out: str, task: Task, folder: str) -> Dict[str, Any]:
+    from .search.generalise import table_generalisation
+    spec = task.spec
+    table = _done_record(out, spec['search'])['table']
+    ck = os.path.join(_done_record(out, spec['checkpoint_from'])['output'], 'best.safetensors')
+    res = table_generalisation(ck, table, fresh_k=spec['fresh_k'], random_masks=spec['random_masks'],
+                               seed=spec['seed'])
+    atomic_write_text(os.path.join(folder, 'generalise.json'), json.dumps(res, indent=1))
+    return {'mean': res['mean'], 'genes': len(res['genes']), 'k': res['k'], 'fresh_from': res['fresh_from'],
+            'seconds': res['seconds']}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scheduling
+
+def _needed(tasks: Dict[str, Task], patterns: Optional[Sequence[str]]) -> List[str]:
+    """Task names to run, in order: those matching ``patterns`` (all without) and their dependencies."""
+    want = [n for n in tasks if not patterns or any(fnmatch.fnmatch(n, p) for p in patterns)]
+    need, stack = set(), list(want)
+    while stack:
+        n = stack.pop()
+        if n not in need:
+            need.add(n)
+            stack.extend(tasks[n].deps)
+    return [n for n in tasks if n in need]
+
+
+def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, threads: int, quick: bool,
+             log=print) -> List[str]:
+    """Run ``names`` with at most ``jobs`` at once (in this process when 1); the names that failed (with those
+    that depend on them)."""
+    pending = [n for n in names if _done_record(out, n) is None]
+    failed: List[str] = []
+    running: Dict[str, Tuple[subprocess.Popen, Any]] = {}
+    while pending or running:
+        for n, (proc, logf) in list(running.items()):
+            if proc.poll() is not None:
+                logf.close()
+                del running[n]
+                if proc.returncode != 0 or _done_record(out, n) is None:
+                    failed.append(n)
+                    log(f'[study] FAILED {n} (exit {proc.returncode}; see {_folder(out, n)}/log.txt)')
+                else:
+                    log(f'[study] done {n} ({_done_record(out, n)["wall_s"]:.0f} s)')
+        blocked = [n for n in pending if any(d in failed for d in tasks[n].deps)]
+        for n in blocked:
+            pending.remove(n)
+            failed.append(n)
+            log(f'[study] skipped {n}: a task it needs failed')
+        ready = [n for n in pending if all(_done_record(out, d) is not None for d in tasks[n].deps)]
+        if jobs == 1:
+            if not ready:
+                break
+            n = ready[0]
+            pending.remove(n)
+            log(f'[study] running {n}')
+            try:
+                info = run_task(out, tasks[n])
+                log(f'[study] done {n} ({info["wall_s"]:.0f} s)')
+            except Exception as e:  # noqa: BLE001 -- one task's failure must not stop the others
+                failed.append(n)
+                log(f'[study] FAILED {n}: {type(e).__name__}: {e}')
+            continue
+        while ready and len(running) < jobs:
+            n = ready.pop(0)
+            pending.remove(n)
+            os.makedirs(_folder(out, n), exist_ok=True)
+            logf = open(os.path.join(_folder(out, n), 'log.txt'), 'a', encoding='utf-8')
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+            cmd = [sys.executable, '-m', 'timm_patchmix.study', '--output', out, '--run-task', n,
+                   '--threads', str(threads)] + (['--quick'] if quick else [])
+            running[n] = (subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
+            log(f'[study] started {n}')
+        if running:
+            time.sleep(0.5)
+        elif not ready and pending:
+            break  # nothing can start: dependencies outside this invocation's tasks are not done
+    return failed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the report
+
+def _mean_std(v: List[float]) -> Tuple[float, Optional[float]]:
+    return statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else None)
+
+
+def _fmt(v: List[float]) -> str:
+    if not v:
+        return '–'
+    m, s = _mean_std(v)
+    return f'{m:.2f} ± {s:.2f}' if s is not None else f'{m:.2f}'
+
+
+def collect(out: str, tasks: Dict[str, Task]) -> Dict[str, Any]:
+    """The finished tasks' records grouped for the report: ``runs[method][seed]``, ``searches``, ``generalise``."""
+    runs: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    other: Dict[str, Dict[str, Any]] = {}
+    for n, t in tasks.items():
+        rec = _done_record(out, n)
+        if rec is None:
+            continue
+        if t.kind == 'train':
+            key = n.split('/')[0]
+            if key.startswith('transfer_'):
+                key = n.rsplit('_s', 1)[0]
+            runs.setdefault(key, {})[t.spec['seed']] = rec
+        else:
+            other[n] = rec
+    return {'runs': {k: v for k, v in runs.items() if v}, 'other': other}
+
+
+def _values(runs, key, field_='final_top1', seeds=None) -> List[float]:
+    return [r[field_] for s, r in sorted(runs.get(key, {}).items())
+            if (seeds is None or s in seeds) and r.get(field_) is not None]
+
+
+def report(out: str, cfg: Dict[str, Any], tasks: Dict[str, Task], quick: bool) -> str:
+    """Write ``report.md``, ``report.json`` and the figures to ``out``; returns the Markdown."""
+    data = collect(out, tasks)
+    runs, other = data['runs'], data['other']
+    main_seeds, abl_seeds = cfg['main_seeds'], cfg['ablation_seeds']
+    lines = [f'# PatchMix study{" (--quick: tiny sizes, the numbers are noise)" if quick else ""}', '',
+             f'Dataset `{cfg["dataset"] or "patchshapes"}`, `{cfg["model"]}`, {cfg["train_subset"]:,} training '
+             f'images, {cfg["epochs"]} epochs (`--recipe paper-cifar`, batch {cfg["batch_size"]}); '
+             f'{cfg["holdout"] * 100:g}% of the training split held out (seed {cfg["holdout_seed"]}), '
+             f'{cfg["val_subset"]:,} of its images select the best epoch and score the search; top-1 (%) on '
+             f'{cfg["test_subset"]:,} test images, final epoch, mean ± std over seeds.', '']
+    fg = [repr(float(e)) for e in cfg['fgsm']]
+    lines += ['## Main table', '', f'Seeds {main_seeds}. FGSM: top-1 under FGSM at ε (pixels in [0, 1]).', '',
+              '| method | test top-1 (final) | test top-1 (best held-out epoch) | ' +
+              ' | '.join(f'FGSM ε={e}' for e in fg) + ' | runs |',
+              '|---|---|---|' + '---|' * len(fg) + '---|']
+    table: Dict[str, Any] = {'main': {}, 'ablations': {}, 'learning_curve': {}, 'k_sweep': {}, 'transfer': {}}
+    for m in MAIN:
+        final, best = _values(runs, m), _values(runs, m, 'best_top1')
+        fgsm = {e: [r['fgsm'][e] for r in runs.get(m, {}).values() if r.get('fgsm') and e in r['fgsm']] for e in fg}
+        table['main'][m] = {'final_top1': final, 'best_top1': best, 'fgsm': fgsm}
+        lines.append(f'| {LABELS[m]} | {_fmt(final)} | {_fmt(best)} | ' +
+                     ' | '.join(_fmt(fgsm[e]) for e in fg) + f' | {len(final)} |')
+    lines += ['', f'## Ablations (seeds {abl_seeds}; each row beside its reference on the same seeds)', '',
+              '| variant | test top-1 | reference | difference (mean of per-seed differences) |', '|---|---|---|---|']
+    for name, label, ref in ([(n, v[0], 'random_pm') for n, v in RPM_ABLATIONS.items()] +
+                             [(n, v[0], 'guided_pm') for n, v in GPM_ABLATIONS.items()]):
+        v = _values(runs, name, seeds=abl_seeds)
+        r = _values(runs, ref, seeds=abl_seeds)
+        pairs = [(runs[name][s]['final_top1'] - runs[ref][s]['final_top1']) for s in abl_seeds
+                 if s in runs.get(name, {}) and s in runs.get(ref, {})]
+        table['ablations'][name] = {'label': label, 'reference': ref, 'final_top1': v, 'reference_top1': r,
+                                    'differences': pairs}
+        lines.append(f'| {label} | {_fmt(v)} | {LABELS[ref]} {_fmt(r)} | {_fmt(pairs)} |')
+    lines += ['', '## Base learning curve (seed %d)' % main_seeds[0], '', '| training images | test top-1 | '
+              'best held-out top-1 | final train loss |', '|---|---|---|---|']
+    sizes = sorted(set(cfg['lc_sizes']) | {cfg['train_subset']})
+    for n in sizes:
+        key = 'base' if n == cfg['train_subset'] else f'base_n{n}'
+        rec = runs.get(key, {}).get(main_seeds[0])
+        if rec:
+            table['learning_curve'][n] = {'final_top1': rec['final_top1'], 'holdout_best': rec.get('holdout_best_top1'),
+                                          'train_loss': rec['rows'][-1]['train_loss']}
+            lines.append(f'| {n:,} | {rec["final_top1"]:.2f} | {rec.get("holdout_best_top1") or 0:.2f} | '
+                         f'{rec["rows"][-1]["train_loss"]:.3f} |')
+    lines += ['', f'## The search\'s K (f_T of seed {main_seeds[0]})', '',
+              'Mean score (patch accuracy, lower = harder) over the table\'s genes of the chosen masks and of random '
+              'masks of the same class pairs, on the search\'s own K image pairs and on fresh pairs; gap = random − '
+              'chosen; retained = fresh gap / search gap. Random masks as Random PatchMix draws them, and (matched) '
+              'with the chosen mask\'s number of partner cells at random positions.', '',
+              '| K | genes | chosen (search) | chosen (fresh) | random (search) | random (fresh) | gap search | '
+              'gap fresh | retained | matched: gap fresh | matched: retained | search wall s |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|']
+    for k in cfg['k_sweep']['ks']:
+        g = other.get(f'k_sweep/k{k}_generalise')
+        s = g and other.get(tasks[f'k_sweep/k{k}_generalise'].spec['search'])
+        if not (s and g):
+            continue
+        m = g['mean']
+        table['k_sweep'][k] = {'mean': m, 'best_fitness': s['best_fitness'], 'search_wall_s': s['wall_s'],
+                               'genes': g['genes']}
+
+        def f(v):
+            return '–' if v is None else f'{v:.3f}'
+        pm, mt = 'patchmix', 'matched'
+        lines.append(f'| {k} | {g["genes"]} | {f(m["chosen_search"])} | {f(m["chosen_fresh"])} | '
+                     f'{f(m["random_search"][pm])} | {f(m["random_fresh"][pm])} | {f(m["gap_search"][pm])} | '
+                     f'{f(m["gap_fresh"][pm])} | {f(m["retained"][pm])} | {f(m["gap_fresh"][mt])} | '
+                     f'{f(m["retained"][mt])} | {s["wall_s"]:.0f} |')
+    lines += ['', f'## Transfer to `{cfg["transfer"]["dataset"]}` (seeds {main_seeds}; source model of the same seed)',
+              '', '| source | linear probe | full fine-tune |', '|---|---|---|']
+    for source in ('scratch', 'base', 'random_pm', 'guided_pm'):
+        lp = _values(runs, f'transfer_probe/{source}')
+        ft = _values(runs, f'transfer_finetune/{source}')
+        table['transfer'][source] = {'probe': lp, 'finetune': ft}
+        label = 'none (from scratch)' if source == 'scratch' else LABELS[source]
+        lines.append(f'| {label} | {_fmt(lp)} | {_fmt(ft)} |')
+    walls = [r['wall_s'] for v in runs.values() for r in v.values()] + [r['wall_s'] for r in other.values()]
+    lines += ['', f'Tasks finished: {sum(len(v) for v in runs.values()) + len(other)} of {len(tasks)}; their wall '
+              f'times add up to {sum(walls) / 60:.1f} min (tasks run side by side with --jobs overlap).']
+    text = '\n'.join(lines) + '\n'
+    figures(out, cfg, runs, table)
+    atomic_write_text(os.path.join(out, 'report.md'), text)
+    atomic_write_text(os.path.join(out, 'report.json'), json.dumps(
+        {'settings': cfg, 'quick': quick, 'tables': table,
+         'wall_s': dict({n: r['wall_s'] for n, r in other.items()},
+                        **{f'{k}/s{s}': r['wall_s'] for k, v in runs.items() for s, r in v.items()})},
+        indent=1, default=str))
+    return text
+
+
+def figures(out: str, cfg: Dict[str, Any], runs, table) -> None:
+    """``curves.png`` (held-out top-1 per epoch, mean over the main seeds), ``ablations.png`` (mean ± std test
+    top-1 of each ablation beside its reference), ``learning_curve.png``, ``k_sweep.png`` and ``transfer.png``."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from .checkpoint import atomic_write_bytes
+    import io
+
+    def save(fig, name):
+        buf = io.BytesIO()
+        fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
+        plt.close(fig)
+        atomic_write_bytes(os.path.join(out, name), buf.getvalue())
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in MAIN:
+        curves = [[row['eval_top1'] for row in r['rows']] for r in runs.get(m, {}).values()]
+        if curves:
+            n = min(len(c) for c in curves)
+            ax.plot(range(1, n + 1), [statistics.mean(c[i] for c in curves) for i in range(n)], label=LABELS[m])
+    ax.set_xlabel('epoch')
+    ax.set_ylabel('held-out top-1 (%)')
+    ax.set_title('Held-out top-1 per epoch (mean over seeds)')
+    ax.legend()
+    save(fig, 'curves.png')
+
+    rows = [(LABELS[m], table['main'][m]['final_top1']) for m in MAIN]
+    rows += [(v['label'], v['final_top1']) for v in table['ablations'].values()]
+    rows = [(label, v) for label, v in rows if v]
+    fig, ax = plt.subplots(figsize=(7, 0.35 * max(len(rows), 1) + 1))
+    for i, (label, v) in enumerate(rows):
+        m, s = _mean_std(v)
+        ax.barh(i, m, xerr=s or 0, color='tab:blue' if i < len(MAIN) else 'tab:orange')
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    lo = min((min(v) for _, v in rows), default=0)
+    ax.set_xlim(max(0, lo - 5), 100)
+    ax.set_xlabel('test top-1 (%), mean ± std over seeds')
+    save(fig, 'ablations.png')
+
+    lc = table['learning_curve']
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    if lc:
+        ns = sorted(lc)
+        ax.plot(ns, [lc[n]['final_top1'] for n in ns], 'o-')
+        ax.set_xscale('log')
+    ax.set_xlabel('training images')
+    ax.set_ylabel('Base test top-1 (%)')
+    save(fig, 'learning_curve.png')
+
+    ks = table['k_sweep']
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    if ks:
+        kk = sorted(ks)
+        for key, label in (('gap_search', 'gap on the search pairs'), ('gap_fresh', 'gap on fresh pairs')):
+            ax.plot(kk, [ks[k]['mean'][key]['patchmix'] for k in kk], 'o-', label=label)
+        ax.set_xscale('log', base=2)
+        ax.legend()
+    ax.set_xlabel('K (image pairs per class pair)')
+    ax.set_ylabel('random − chosen score')
+    save(fig, 'k_sweep.png')
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tr = table['transfer']
+    names = [s for s in tr if tr[s]['probe'] or tr[s]['finetune']]
+    for j, mode in enumerate(('probe', 'finetune')):
+        for i, s in enumerate(names):
+            if tr[s][mode]:
+                m, sd = _mean_std(tr[s][mode])
+                ax.bar(i + 0.4 * j, m, 0.4, yerr=sd or 0, color=('tab:green', 'tab:purple')[j],
+                       label=('linear probe', 'full fine-tune')[j] if i == 0 or not tr[names[0]][mode] else None)
+    ax.set_xticks([i + 0.2 for i in range(len(names))])
+    ax.set_xticklabels(['scratch' if s == 'scratch' else LABELS[s] for s in names], fontsize=8)
+    ax.set_ylabel('test top-1 (%)')
+    if names:
+        ax.legend()
+    save(fig, 'transfer.png')
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m timm_patchmix.study', description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--output', default='output/study', help='folder of the study (default: output/study)')
+    p.add_argument('--quick', action='store_true', help='every task at tiny size on the embedded data (a check '
+                   'that the study runs; its numbers are noise)')
+    p.add_argument('--jobs', type=int, default=1, help='tasks run at once, each in its own process (default: 1, '
+                   'in this process)')
+    p.add_argument('--threads', type=int, default=0, help='torch threads per task (default: the cores / --jobs)')
+    p.add_argument('--tasks', nargs='+', metavar='PATTERN', help='run only the tasks matching these glob '
+                   'patterns (and what they need), e.g. "transfer_*" or "base/*"')
+    p.add_argument('--list', action='store_true', help='list the tasks, whether done, and exit')
+    p.add_argument('--report', action='store_true', help='write the report from the finished tasks and exit')
+    p.add_argument('--run-task', help=argparse.SUPPRESS)
+    return p
+
+
+def _settings(cfg: Dict[str, Any], quick: bool) -> Dict[str, Any]:
+    return {'quick': quick, 'settings': cfg}
+
+
+def main(argv=None, log=print) -> int:
+    args = build_parser().parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit('--jobs must be >= 1')
+    cfg = QUICK if args.quick else FULL
+    tasks = build_tasks(cfg)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    if args.run_task:  # a child of --jobs N
+        import torch
+        torch.set_num_threads(threads)
+        run_task(args.output, tasks[args.run_task])
+        return 0
+    record = os.path.join(args.output, STUDY_FILE)
+    recorded = read_settings(record)
+    now = json.loads(json.dumps(_settings(cfg, args.quick)))
+    if recorded is not None:
+        check_settings(recorded, now, f'cannot reuse {args.output}: it was made',
+                       'Rerun with the settings it was made with (--quick or not), or choose another --output.')
+        if recorded != now:
+            raise SettingsChangedError(f'cannot reuse {args.output}: its {STUDY_FILE} records other settings; '
+                                       f'choose another --output')
+    if args.list:
+        for n, t in tasks.items():
+            log(f'{"done" if _done_record(args.output, n) else "    "}  {n}  ({t.kind})')
+        return 0
+    if args.tasks and not _needed(tasks, args.tasks):
+        raise SystemExit(f'no task matches {args.tasks}; see --list')
+    os.makedirs(args.output, exist_ok=True)
+    if recorded is None:
+        write_settings(record, now)
+    if not args.report:
+        import torch
+        if args.jobs == 1:
+            torch.set_num_threads(threads)
+        started = time.monotonic()
+        failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads, args.quick, log)
+        log(f'[study] this invocation: {(time.monotonic() - started) / 60:.1f} min')
+    else:
+        failed = []
+    text = report(args.output, cfg, tasks, args.quick)
+    log(text)
+    if failed:
+        log(f'[study] {len(failed)} task(s) failed or were skipped: {", ".join(failed)}; rerun to retry them')
+        return 1
+    return 0
+
+
+def cli(argv=None) -> int:
+    import logging
+    logging.basicConfig(level=logging.WARNING, format='%(message)s')
+    try:
+        return main(argv)
+    except SettingsChangedError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == '__main__':
+    raise SystemExit(cli())
