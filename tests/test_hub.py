@@ -319,3 +319,46 @@ def test_without_import_timm_names_the_missing_architecture():
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and 'patchhead_resnet32_cifar' in r.stderr
     assert 'import timm_patchmix' in json.load(open(os.path.join(folder, 'config.json')))['timm_patchmix']['note']
+
+
+def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_path):
+    res = train_main(TINY + ['--output', str(tmp_path), '--experiment', 'rpm', '--patchmix', '--holdout', '0.1',
+                             '--test-subset', '30'])
+    ckpt = os.path.join(res['output'], 'best.safetensors')
+    results = json.load(open(os.path.join(res['output'], 'results.json')))
+    folder = hub.export_folder(ckpt, str(tmp_path / 'repo'), repo_id='someone/rpm-test')
+    card = open(os.path.join(folder, 'README.md')).read()
+    test = results['test']
+    assert 'Protocol: a fixed 10% of the training split (seed 0) was held out' in card
+    assert f'{results["selection"]["images"]:,} of its images chose the best epoch' in card
+    assert f'(`{test["split"]}`, {test["images"]:,} images)' in card
+    assert (f'| 1 | {test["final"]["test_top1"]:.2f} | {test["best"]["test_top1"]:.2f} '
+            f'(epoch {test["best"]["epoch"]}) |') in card
+    assert '| epochs | final top-1 | best top-1 |' not in card
+    cfg = json.load(open(os.path.join(folder, 'config.json')))
+    assert cfg['timm_patchmix']['test_metrics']['final']['top1'] == test['final']['test_top1']
+    assert 'tag' not in cfg['pretrained_cfg'] and 'origin_url' not in cfg['pretrained_cfg']
+    # a damaged results.json is an error naming it, and nothing is exported
+    with open(os.path.join(res['output'], 'results.json'), 'w') as f:
+        f.write('{"selection": {"split": "holdout"}, "test": {"split": 3}}')
+    from timm_patchmix.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match='results.json'):
+        hub.export_folder(ckpt, str(tmp_path / 'repo2'))
+    assert not os.path.exists(tmp_path / 'repo2')
+
+
+def test_a_folder_written_by_timms_save_for_hf_loads_through_local_dir(tmp_path):
+    ref = timm.create_model('resnet32_cifar', num_classes=7).eval()
+    timm.models.save_for_hf(ref, str(tmp_path / 'plain'), safe_serialization=True)
+    cfg = json.load(open(tmp_path / 'plain' / 'config.json'))
+    assert cfg['model_args']['num_classes'] == 7  # timm writes it there too
+    model = timm.create_model(f'local-dir:{tmp_path / "plain"}', pretrained=True).eval()
+    with torch.no_grad():
+        assert torch.equal(model(images()), ref(images()))
+    cfg['model_args']['num_classes'] = 5  # disagrees with the root num_classes
+    with open(tmp_path / 'plain' / 'config.json', 'w') as f:
+        json.dump(cfg, f)
+    from timm_patchmix.checkpoint import CheckpointError
+    from timm_patchmix.engine.model import model_arch
+    with pytest.raises(CheckpointError, match='model_args.num_classes 5 differs from num_classes 7'):
+        model_arch(f'local-dir:{tmp_path / "plain"}')

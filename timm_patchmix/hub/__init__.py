@@ -21,7 +21,7 @@ import shutil
 from typing import Optional
 
 from ..checkpoint import CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights, temp_dir
-from .card import model_card as _model_card, read_summary as _summary
+from .card import model_card as _model_card, read_results as _results, read_summary as _summary
 from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
                    backbone_state_dict, export_backbone, load_backbone, load_model, model_from_weights)
@@ -75,10 +75,10 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = {k: data[k] for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct') if data.get(k)}
-    metrics = _summary(checkpoint)
+    metrics, results = _summary(checkpoint), _results(checkpoint)
     model_config = {'timm_patchmix': {'method': 'guided' if table_doc else 'random',
                                       'grid': list(model.grid), 'dataset': data.get('dataset') or 'patchshapes',
-                                      'metrics': metrics, 'command': meta.get('command'),
+                                      'metrics': metrics, 'test_metrics': results, 'command': meta.get('command'),
                                       'mask_table': 'masks.json' if table_doc else None,
                                       'note': 'import timm_patchmix before timm.create_model: it registers '
                                               'the patchhead_* architectures'}}
@@ -107,7 +107,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         if table_doc is not None:
             shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
         atomic_write_text(os.path.join(tmp, 'README.md'),
-                          _model_card(repo_id, arch, meta, metrics, table_doc))
+                          _model_card(repo_id, arch, meta, metrics, table_doc, results))
         os.chmod(tmp, 0o755)
         if os.path.lexists(folder):
             old = temp_dir(folder)

@@ -1,13 +1,15 @@
-"""The model card (``README.md``) of a Hub folder, and the metrics it quotes from the run's ``summary.csv``."""
+"""The model card (``README.md``) of a Hub folder, and the metrics it quotes from the run's ``summary.csv`` and, for a
+run with a held-out split, its ``results.json`` (the test split's numbers and the protocol)."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 from typing import Any, Dict, Optional
 
 from ..checkpoint import CheckpointError
 
-__all__ = ['model_card', 'read_summary']
+__all__ = ['model_card', 'read_summary', 'read_results']
 
 
 def read_summary(checkpoint: str) -> Optional[Dict[str, Any]]:
@@ -29,8 +31,55 @@ def read_summary(checkpoint: str) -> Optional[Dict[str, Any]]:
     return out
 
 
+def read_results(checkpoint: str) -> Optional[Dict[str, Any]]:
+    """The run's ``results.json`` beside ``checkpoint`` when it has a held-out selection split and test numbers:
+    ``{'holdout': {...}, 'selection_images', 'test_split', 'test_images', 'final': {...}, 'best': {...}}``; None for
+    a run without them (one made without ``--holdout``)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), 'results.json')
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding='utf-8') as f:
+            doc = json.load(f)
+        sel, test = doc.get('selection') or {}, doc.get('test')
+        if sel.get('split') != 'holdout' or not test:
+            return None
+        out = {'holdout': dict(sel['holdout']), 'selection_images': int(sel['images']),
+               'test_split': str(test['split']), 'test_images': int(test['images']),
+               'final': {'epoch': int(test['final']['epoch']), 'top1': float(test['final']['test_top1'])},
+               'best': {'epoch': int(test['best']['epoch']), 'top1': float(test['best']['test_top1'])}}
+        out['holdout']['fraction'] = float(out['holdout']['fraction'])
+        out['holdout']['seed'] = int(out['holdout']['seed'])
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f'{path}: not a results.json as train.py writes it ({type(e).__name__}: {e})') from None
+    return out
+
+
+def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]]) -> list:
+    """The card's "Metrics" section: with a held-out split, the test split's numbers and how the best epoch was
+    chosen; without, the numbers of the split the epochs were evaluated on, said to be no held-out test number."""
+    if results is not None:
+        h = results['holdout']
+        return ['', '## Metrics', '',
+                f'Protocol: a fixed {h["fraction"] * 100:g}% of the training split (seed {h["seed"]}) was held out '
+                f'and never trained on; {results["selection_images"]:,} of its images chose the best epoch. Top-1 on '
+                f'the test split (`{results["test_split"]}`, {results["test_images"]:,} images), evaluated once at '
+                'the end and used for no choice. These weights are the best epoch\'s.', '',
+                '| epochs | test top-1, final epoch | test top-1, best held-out epoch (these weights) |',
+                '|---|---|---|',
+                f'| {results["final"]["epoch"] + 1} | {results["final"]["top1"]:.2f} | '
+                f'{results["best"]["top1"]:.2f} (epoch {results["best"]["epoch"]}) |']
+    if metrics and metrics.get('final_top1') is not None:
+        return ['', '## Metrics', '',
+                'Protocol: no held-out split; the numbers are on the split each epoch was evaluated on, which also '
+                'chose the best epoch, so they are not held-out test numbers.', '',
+                '| epochs | final top-1 | best top-1 |', '|---|---|---|',
+                f'| {metrics["epochs"]} | {metrics["final_top1"]:.2f} | {metrics["best_top1"]:.2f} |']
+    return []
+
+
 def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[Dict[str, Any]],
-               table: Optional[Dict[str, Any]]) -> str:
+               table: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]] = None) -> str:
     data = meta.get('data') or {}
     dataset = data.get('dataset') or 'patchshapes'
     patchmix = bool((meta.get('patchmix') or {}).get('enabled'))
@@ -57,9 +106,7 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
     ]
     if meta.get('command'):
         lines += [f'- command: `{meta["command"]}`']
-    if metrics and metrics.get("final_top1") is not None:
-        lines += ['', '## Metrics', '', '| epochs | final top-1 | best top-1 |', '|---|---|---|',
-                  f'| {metrics["epochs"]} | {metrics["final_top1"]:.2f} | {metrics["best_top1"]:.2f} |']
+    lines += protocol_lines(metrics, results)
     if table:
         names = table.get('class_names') or [str(i) for i in range(int(table.get('num_classes', 0)))]
         lines += ['', '## Mask table', '', f'`masks.json` (search fitness {table.get("best_fitness")}): the class '

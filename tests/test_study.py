@@ -1,0 +1,154 @@
+"""The study runner: its task graph, a whole --quick study, a rerun that reuses every task, refused settings, and
+tasks in child processes (--jobs 2)."""
+import json
+import os
+
+import pytest
+
+from timm_patchmix import study
+from timm_patchmix.settings import SettingsChangedError
+from timm_patchmix.train import parse_config
+
+
+def _count(tasks, prefix):
+    return sorted(n for n in tasks if n.split('/')[0] == prefix)
+
+
+def test_full_task_graph_matches_the_study_design():
+    cfg = study.FULL
+    tasks = study.build_tasks(cfg)
+    main, abl = cfg['main_seeds'], cfg['ablation_seeds']
+    assert len(main) == 3 and len(abl) >= 2
+    for m in study.MAIN:
+        assert _count(tasks, m) == [f'{m}/s{s}' for s in main]
+    for name in list(study.RPM_ABLATIONS) + list(study.GPM_ABLATIONS):
+        assert _count(tasks, name) == [f'{name}/s{s}' for s in abl]
+    # dependencies: f_O on the table of the search on the same seed's f_T
+    for s in main:
+        assert tasks[f'search/s{s}'].deps == [f'random_pm/s{s}']
+        assert tasks[f'guided_pm/s{s}'].spec['table_from'] == f'search/s{s}'
+    for s in abl:
+        assert tasks[f'gpm_max/s{s}'].spec['table_from'] == f'search_max/s{s}'
+        assert '--fitness' in tasks[f'search_max/s{s}'].spec['flags']
+        flags = tasks[f'search_max/s{s}'].spec['flags']
+        assert flags[flags.index('--fitness') + 1] == 'max'
+    # the K sweep reuses the main search where it is the same search
+    k_main = cfg['search']['k']
+    assert tasks[f'k_sweep/k{k_main}_generalise'].spec['search'] == f'search/s{main[0]}'
+    assert f'k_sweep/k{k_main}' not in tasks
+    for k in cfg['k_sweep']['ks']:
+        if k != k_main:
+            flags = tasks[f'k_sweep/k{k}'].spec['flags']
+            assert flags[flags.index('--k') + 1] == str(k)
+    # every dependency comes earlier in the order the tasks are listed
+    order = list(tasks)
+    for n, t in tasks.items():
+        assert all(order.index(d) < order.index(n) for d in t.deps), n
+    # every training task's flags parse with train.py's own parser, and say what the design says
+    for n, t in tasks.items():
+        if t.kind != 'train':
+            continue
+        flags = list(t.spec['flags'])
+        if t.spec.get('export_from'):
+            flags += ['--model', 'local-dir:/nowhere']
+        c = parse_config(flags + ['--output', '/tmp/x'])
+        assert c.seed == t.spec['seed']
+        if n.startswith('transfer_'):
+            assert c.dataset == 'sklearn_digits' and c.holdout == cfg['holdout']
+            assert c.linear_probe == n.startswith('transfer_probe/')
+            if t.spec.get('export_from'):
+                assert c.pretrained and c.reset_head
+            continue
+        assert (c.dataset, c.holdout, c.epochs, c.batch_size) == ('fashion_mnist', 0.1, cfg['epochs'], 100)
+        assert c.recipe == 'paper-cifar' and c.test_subset == cfg['test_subset']
+        method = n.split('/')[0]
+        assert bool(c.fgsm) == (method in study.MAIN)
+        if method in ('random_pm', 'guided_pm') or method.startswith(('rpm_', 'gpm_')):
+            assert c.patchmix and c.model == f'patchhead_{cfg["model"]}'
+        if method in ('guided_pm', 'gpm_max', 'gpm_control'):
+            assert c.no_patch_loss  # f_O on L_O
+        if method == 'gpm_total':
+            assert not c.no_patch_loss
+        if method == 'gpm_control':
+            assert (c.guided_prob, c.random_prob) == (0.0, 0.667)
+    assert tasks['rpm_grid2/s0'].spec['flags'][-2:] == ['--patchmix-grid', '2']
+    assert tasks['rpm_batch/s0'].spec['flags'][-2:] == ['--patchmix-mode', 'batch']
+
+
+def _read(path):
+    with open(path, encoding='utf-8') as f:
+        return f.read()
+
+
+@pytest.mark.slow
+def test_quick_study_runs_every_task_reports_and_reuses(tmp_path, capsys):
+    out = str(tmp_path / 'study')
+    # part of it first: the transfer of seed 0's guided model and what it needs
+    assert study.main(['--quick', '--output', out, '--tasks', 'transfer_probe/guided_pm_s0']) == 0
+    done = [n for n in study.build_tasks(study.QUICK) if os.path.isfile(os.path.join(out, n, 'done.json'))]
+    assert sorted(done) == sorted(['random_pm/s0', 'search/s0', 'guided_pm/s0', 'export/guided_pm_s0',
+                                   'transfer_probe/guided_pm_s0'])
+    capsys.readouterr()
+    assert study.main(['--quick', '--output', out]) == 0
+    log = capsys.readouterr().out
+    assert 'running guided_pm/s0' not in log  # finished tasks are reused
+    tasks = study.build_tasks(study.QUICK)
+    for n in tasks:
+        assert os.path.isfile(os.path.join(out, n, 'done.json')), n
+    rep = json.loads(_read(os.path.join(out, 'report.json')))
+    # the report's numbers are the runs' own test numbers
+    for m in study.MAIN:
+        want = [json.loads(_read(os.path.join(out, m, f's{s}', 'done.json')))['final_top1']
+                for s in study.QUICK['main_seeds']]
+        assert rep['tables']['main'][m]['final_top1'] == want
+        assert all(rec['split'] == 'test' for rec in [json.loads(_read(os.path.join(out, m, 's0', 'done.json')))])
+    rec = json.loads(_read(os.path.join(out, 'base', 's0', 'done.json')))
+    assert set(rec['fgsm']) == {'0.0'} | {repr(float(e)) for e in study.QUICK['fgsm']}
+    # clean FGSM is the final weights' test top-1 (which the record rounds to 4 decimals)
+    assert rec['fgsm']['0.0'] == pytest.approx(rec['test']['final']['test_top1'], abs=1e-4)
+    assert rep['tables']['ablations']['rpm_grid2']['final_top1']
+    assert set(rep['tables']['k_sweep']) == {str(k) for k in study.QUICK['k_sweep']['ks']}
+    for source in ('scratch', 'base', 'random_pm', 'guided_pm'):
+        assert rep['tables']['transfer'][source]['finetune'], source
+    for source in ('base', 'random_pm', 'guided_pm'):
+        assert rep['tables']['transfer'][source]['probe'], source
+    # exported folders load through local-dir: and carry no tag of other weights
+    cfg = json.loads(_read(os.path.join(out, 'export', 'guided_pm_s0', 'hub', 'config.json')))
+    assert 'tag' not in cfg['pretrained_cfg'] and 'origin_url' not in cfg['pretrained_cfg']
+    for fig in ('curves.png', 'ablations.png', 'learning_curve.png', 'k_sweep.png', 'transfer.png'):
+        with open(os.path.join(out, fig), 'rb') as f:
+            assert f.read(8) == b'\x89PNG\r\n\x1a\n', fig
+    report_md = _read(os.path.join(out, 'report.md'))
+    assert '## Main table' in report_md and '## Transfer' in report_md
+    # a rerun runs nothing and writes the same report
+    capsys.readouterr()
+    assert study.main(['--quick', '--output', out]) == 0
+    assert '[study] running' not in capsys.readouterr().out
+    assert _read(os.path.join(out, 'report.md')) == report_md
+
+
+def test_study_refuses_other_settings_before_running(tmp_path):
+    out = str(tmp_path / 'study')
+    os.makedirs(out)
+    with open(os.path.join(out, study.STUDY_FILE), 'w', encoding='utf-8') as f:
+        json.dump({'quick': True, 'settings': dict(study.QUICK, epochs=3)}, f)
+    with pytest.raises(SettingsChangedError, match='epochs'):
+        study.main(['--quick', '--output', out])
+    assert os.listdir(out) == [study.STUDY_FILE]
+    assert study.cli(['--output', out]) == 2  # the full study in a quick study's folder
+    assert os.listdir(out) == [study.STUDY_FILE]
+
+
+def test_unknown_task_pattern_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match='no task matches'):
+        study.main(['--quick', '--output', str(tmp_path / 's'), '--tasks', 'nothing*'])
+
+
+@pytest.mark.slow
+def test_jobs_run_tasks_in_child_processes(tmp_path):
+    out = str(tmp_path / 'study')
+    assert study.main(['--quick', '--output', out, '--jobs', '2', '--tasks', 'base/*'], log=lambda *a: None) == 0
+    for s in study.QUICK['main_seeds']:
+        rec = json.loads(_read(os.path.join(out, 'base', f's{s}', 'done.json')))
+        assert rec['split'] == 'test' and rec['epochs'] == study.QUICK['epochs']
+        assert 'epoch 0' in _read(os.path.join(out, 'base', f's{s}', 'log.txt'))
