@@ -58,6 +58,8 @@ def test_full_task_graph_matches_the_study_design():
             assert c.linear_probe == n.startswith('transfer_probe/')
             if t.spec.get('export_from'):
                 assert c.pretrained and c.reset_head
+                # every source trains on the image loss alone, as the plain model does
+                assert c.no_patch_loss == ('/base_' not in n)
             continue
         assert (c.dataset, c.holdout, c.epochs, c.batch_size) == ('fashion_mnist', 0.1, cfg['epochs'], 100)
         assert c.recipe == 'paper-cifar' and c.test_subset == cfg['test_subset']

@@ -160,9 +160,13 @@ def build_tasks(cfg: Dict[str, Any]) -> Dict[str, Task]:
     for s in cfg['main_seeds']:
         for source in ('base', 'random_pm', 'guided_pm'):
             tasks.append(Task(f'export/{source}_s{s}', 'export', [f'{source}/s{s}'], {'from': f'{source}/s{s}'}))
+            # a patchhead_ model trains on the image loss alone, as the plain model does: the same loss for every
+            # source, so the sources alone differ
+            image_only = ['--no-patch-loss'] if source != 'base' else []
             for mode in ('probe', 'finetune'):
                 tasks.append(_transfer_task(cfg, f'transfer_{mode}/{source}_s{s}', s, mode,
-                                            ['--pretrained', '--reset-head'], export=f'export/{source}_s{s}'))
+                                            ['--pretrained', '--reset-head'] + image_only,
+                                            export=f'export/{source}_s{s}'))
         tasks.append(_transfer_task(cfg, f'transfer_finetune/scratch_s{s}', s, 'finetune', ['--model', model]))
     return {t.name: t for t in tasks}
 
