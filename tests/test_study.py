@@ -147,10 +147,13 @@ def test_unknown_task_pattern_is_an_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_jobs_run_tasks_in_child_processes(tmp_path):
+def test_jobs_run_tasks_in_child_processes_with_the_studys_budget(tmp_path):
     out = str(tmp_path / 'study')
-    assert study.main(['--quick', '--output', out, '--jobs', '2', '--tasks', 'base/*'], log=lambda *a: None) == 0
+    argv = ['--quick', '--output', out, '--jobs', '2', '--tasks', 'base/*', '--epochs', '2']
+    assert study.main(argv, log=lambda *a: None) == 0
     for s in study.QUICK['main_seeds']:
         rec = json.loads(_read(os.path.join(out, 'base', f's{s}', 'done.json')))
-        assert rec['split'] == 'test' and rec['epochs'] == study.QUICK['epochs']
-        assert 'epoch 0' in _read(os.path.join(out, 'base', f's{s}', 'log.txt'))
+        assert rec['split'] == 'test' and rec['epochs'] == 2  # the children ran with the parent's --epochs
+        assert 'epoch 1' in _read(os.path.join(out, 'base', f's{s}', 'log.txt'))
+    assert json.loads(_read(os.path.join(out, study.STUDY_FILE)))['settings']['epochs'] == 2
+    assert study.cli(['--quick', '--output', out, '--tasks', 'base/*']) == 2  # another budget: refused

@@ -2,6 +2,7 @@
 
     python -m timm_patchmix.study --output output/study --jobs 2     # Fashion-MNIST, about 90 min on 2 CPU cores
     python -m timm_patchmix.study --quick --output /tmp/study        # every task at tiny size (embedded data)
+    python -m timm_patchmix.study --output output/study40 --jobs 2 --epochs 40   # a longer budget, hours
 
 Every run holds out a fixed, seeded 10% of the training split: its images select each run's best epoch and score the
 search's genes; the numbers reported are on the test split alone, evaluated once at the end of each run.
@@ -302,10 +303,10 @@ def _needed(tasks: Dict[str, Task], patterns: Optional[Sequence[str]]) -> List[s
     return [n for n in tasks if n in need]
 
 
-def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, threads: int, quick: bool,
+def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, threads: int, study_args: List[str],
              log=print) -> List[str]:
-    """Run ``names`` with at most ``jobs`` at once (in this process when 1); the names that failed (with those
-    that depend on them)."""
+    """Run ``names`` with at most ``jobs`` at once (in this process when 1; child processes get ``study_args``,
+    the flags that chose the study's settings); the names that failed (with those that depend on them)."""
     pending = [n for n in names if _done_record(out, n) is None]
     failed: List[str] = []
     running: Dict[str, Tuple[subprocess.Popen, Any]] = {}
@@ -345,7 +346,7 @@ def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, thre
             logf = open(os.path.join(_folder(out, n), 'log.txt'), 'a', encoding='utf-8')
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
             cmd = [sys.executable, '-m', 'timm_patchmix.study', '--output', out, '--run-task', n,
-                   '--threads', str(threads)] + (['--quick'] if quick else [])
+                   '--threads', str(threads)] + list(study_args)
             running[n] = (subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
             log(f'[study] started {n}')
         if running:
@@ -573,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--output', default='output/study', help='folder of the study (default: output/study)')
     p.add_argument('--quick', action='store_true', help='every task at tiny size on the embedded data (a check '
                    'that the study runs; its numbers are noise)')
+    p.add_argument('--epochs', type=int, help=f'epochs of every Fashion-MNIST training (default: {FULL["epochs"]}); '
+                   'a longer budget for a machine with more time, recorded in study.json')
+    p.add_argument('--train-subset', type=int, help=f'training images of every Fashion-MNIST training (default: '
+                   f'{FULL["train_subset"]:,})')
     p.add_argument('--jobs', type=int, default=1, help='tasks run at once, each in its own process (default: 1, '
                    'in this process)')
     p.add_argument('--threads', type=int, default=0, help='torch threads per task (default: the cores / --jobs)')
@@ -592,8 +597,12 @@ def main(argv=None, log=print) -> int:
     args = build_parser().parse_args(argv)
     if args.jobs < 1:
         raise SystemExit('--jobs must be >= 1')
-    cfg = QUICK if args.quick else FULL
+    overrides = {k: v for k, v in (('epochs', args.epochs), ('train_subset', args.train_subset)) if v is not None}
+    if any(v < 1 for v in overrides.values()):
+        raise SystemExit('--epochs and --train-subset must be >= 1')
+    cfg = dict(QUICK if args.quick else FULL, **overrides)
     tasks = build_tasks(cfg)
+    budget_args = [a for k, v in overrides.items() for a in (f'--{k.replace("_", "-")}', str(v))]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     if args.run_task:  # a child of --jobs N
         import torch
@@ -623,7 +632,8 @@ def main(argv=None, log=print) -> int:
         if args.jobs == 1:
             torch.set_num_threads(threads)
         started = time.monotonic()
-        failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads, args.quick, log)
+        failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads,
+                          (['--quick'] if args.quick else []) + budget_args, log)
         log(f'[study] this invocation: {(time.monotonic() - started) / 60:.1f} min')
     else:
         failed = []
