@@ -15,7 +15,8 @@ from .config import TrainConfig
 from .errors import NonFiniteLossError
 from .runtime import Runtime, reduce_sum
 
-__all__ = ['StepEvent', 'Stepper', 'amp_setup', 'clip_parameters', 'train_step', 'train_one_epoch', 'validate']
+__all__ = ['StepEvent', 'Stepper', 'amp_setup', 'clip_parameters', 'train_step', 'train_one_epoch', 'validate',
+           'PatchVote', 'predictor']
 
 
 @dataclass(frozen=True)
@@ -149,13 +150,35 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
     return {'train_loss': total_loss / max(total_n, 1), 'img_s': total_n / max(elapsed, 1e-9)}
 
 
+class PatchVote(nn.Module):
+    """A ``patchhead_`` model's patch head as an image classifier: the mean of its patch logits over the cells. The
+    prediction of a model trained with the patch loss alone (``--no-image-loss``), whose image classifier never
+    trained."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from timm.utils import unwrap_model
+        return unwrap_model(self.model).forward_patches(x).mean(1)
+
+
+def predictor(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """What evaluates ``model`` as ``cfg`` trained it: :class:`PatchVote` for a ``patchhead_`` model trained
+    without the image loss, else the model itself."""
+    return PatchVote(model) if cfg.patch_head and cfg.no_image_loss else model
+
+
 @torch.no_grad()
 def validate(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.device,
              autocast: Callable = nullcontext) -> Dict[str, float]:
     """Loss, top-1 and top-5 (``timm.utils.accuracy``; top-k for fewer than 5 classes) over the validation set,
-    each image counted once over all processes."""
+    each image counted once over all processes. A model trained without the image loss is evaluated by its patch
+    head (:func:`predictor`)."""
     from timm.utils import AverageMeter, accuracy
     model.eval()
+    net = predictor(model, cfg)
     k5 = min(5, cfg.num_classes)
     losses, correct1, correct5 = AverageMeter(), 0, 0
     for x, y in loader:
@@ -164,7 +187,7 @@ def validate(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch
         if cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast():
-            logits = model(x)
+            logits = net(x)
         logits = logits.float()
         b = y.shape[0]
         losses.update(float(nn.functional.cross_entropy(logits, y)), b)

@@ -303,7 +303,8 @@ def _fgsm(cfg: TrainConfig, model, data: Datasets, rt: Runtime, out_dir: str) ->
     transform, images.transform = images.transform, pixel_transform(*dc.input_size)
     try:
         loader = torch.utils.data.DataLoader(images, batch_size=cfg.validation_batch_size or cfg.batch_size)
-        res = fgsm_accuracy(model, loader, [0.0] + list(cfg.fgsm), dc.mean, dc.std, rt.device)
+        from .loop import predictor
+        res = fgsm_accuracy(predictor(model, cfg), loader, [0.0] + list(cfg.fgsm), dc.mean, dc.std, rt.device)
     finally:
         images.transform = transform  # the test loader evaluates the best epoch's weights after this
     report(res, out_dir)
