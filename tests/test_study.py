@@ -141,6 +141,14 @@ def test_study_refuses_other_settings_before_running(tmp_path):
     assert os.listdir(out) == [study.STUDY_FILE]
 
 
+@pytest.mark.parametrize('flags', [['--jobs', '0'], ['--epochs', '0'], ['--train-subset', '-3'], ['--threads', '-1']])
+def test_out_of_range_flags_exit_2_naming_the_flag(tmp_path, flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        study.main(['--quick', '--output', str(tmp_path / 's')] + flags)
+    assert e.value.code == 2 and flags[0] in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / 's')
+
+
 def test_unknown_task_pattern_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match='no task matches'):
         study.main(['--quick', '--output', str(tmp_path / 's'), '--tasks', 'nothing*'])

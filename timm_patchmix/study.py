@@ -594,12 +594,14 @@ def _settings(cfg: Dict[str, Any], quick: bool) -> Dict[str, Any]:
 
 
 def main(argv=None, log=print) -> int:
-    args = build_parser().parse_args(argv)
-    if args.jobs < 1:
-        raise SystemExit('--jobs must be >= 1')
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ('jobs', 'epochs', 'train_subset'):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f'--{flag.replace("_", "-")} must be >= 1, got {getattr(args, flag)}')
+    if args.threads < 0:
+        parser.error(f'--threads must be >= 0 (0: the cores / --jobs), got {args.threads}')
     overrides = {k: v for k, v in (('epochs', args.epochs), ('train_subset', args.train_subset)) if v is not None}
-    if any(v < 1 for v in overrides.values()):
-        raise SystemExit('--epochs and --train-subset must be >= 1')
     cfg = dict(QUICK if args.quick else FULL, **overrides)
     tasks = build_tasks(cfg)
     budget_args = [a for k, v in overrides.items() for a in (f'--{k.replace("_", "-")}', str(v))]
