@@ -1,6 +1,6 @@
 """The study behind docs/RESULTS.md: the main table, the paper's ablations, the search's K, FGSM and transfer.
 
-    python -m timm_patchmix.study --output output/study --jobs 2     # Fashion-MNIST, about 90 min on 2 CPU cores
+    python -m timm_patchmix.study --output output/study --jobs 2     # Fashion-MNIST, about 2 h on 2 shared CPU cores
     python -m timm_patchmix.study --quick --output /tmp/study        # every task at tiny size (embedded data)
     python -m timm_patchmix.study --output output/study40 --jobs 2 --epochs 40   # a longer budget, hours
 
@@ -46,8 +46,8 @@ from .settings import USAGE_ERROR, SettingsChangedError, check_settings, read_se
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
 
 # The budget: 1,000 training images (of the 54,000 not held out), 12 epochs of the paper's CIFAR optimiser,
-# channels-last (about 20% faster on a CPU), two tasks at a time with one thread each: about 80 min on a 2-core
-# machine. Base's learning curve (``lc_sizes``) shows where this budget sits.
+# channels-last (about 20% faster on a CPU), two tasks at a time with one thread each: 74 of its 76 tasks took
+# about 2 h on a shared 2-core machine. Base's learning curve (``lc_sizes``) shows where this budget sits.
 FULL: Dict[str, Any] = {
     'dataset': 'fashion_mnist', 'model': 'resnet32_cifar', 'holdout': 0.1, 'holdout_seed': 0,
     'train_subset': 1000, 'val_subset': 500, 'test_subset': 2000, 'epochs': 12, 'batch_size': 100, 'workers': 0,
