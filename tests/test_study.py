@@ -2,8 +2,12 @@
 tasks in child processes (--jobs 2)."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+import timm
+import torch
 
 from timm_patchmix import study
 from timm_patchmix.settings import SettingsChangedError
@@ -165,3 +169,31 @@ def test_jobs_run_tasks_in_child_processes_with_the_studys_budget(tmp_path):
         assert 'epoch 1' in _read(os.path.join(out, 'base', f's{s}', 'log.txt'))
     assert json.loads(_read(os.path.join(out, study.STUDY_FILE)))['settings']['epochs'] == 2
     assert study.cli(['--quick', '--output', out, '--tasks', 'base/*']) == 2  # another budget: refused
+
+
+@pytest.mark.slow
+def test_export_of_a_plain_model_replaces_leftovers_of_a_killed_export(tmp_path):
+    from timm_patchmix.engine import train
+    from timm_patchmix.train import parse_config
+    out = str(tmp_path / 'study')
+    train(parse_config(['--model', 'resnet20_cifar', '--train-subset', '32', '--val-subset', '16', '-b', '16',
+                        '--epochs', '1', '-j', '0', '--no-progress', '--device', 'cpu', '--output', out,
+                        '--experiment', 'base_s0']))
+    study._mark(out, 'base/s0', {'output': os.path.join(out, 'base_s0')})
+    folder = os.path.join(out, 'export', 'base_s0')
+    os.makedirs(os.path.join(folder, 'hub'))
+    with open(os.path.join(folder, 'hub', 'config.json'), 'w') as f:
+        f.write('{')  # what a run killed after its rename but before done.json might leave
+    dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+    dead.wait()
+    stale = os.path.join(folder, f'.hub.patchmix-{dead.pid}-abc.tmp')
+    os.makedirs(stale)
+    task = study.build_tasks(study.QUICK)['export/base_s0']
+    info = study.run_task(out, task)
+    assert sorted(os.listdir(folder)) == ['done.json', 'hub']  # the dead writer's temporary is gone
+    assert info['model'] == 'resnet20_cifar' and info['folder'] == os.path.join(folder, 'hub')
+    from timm_patchmix.hub.load import model_from_weights
+    want, _ = model_from_weights(info['checkpoint'])
+    got = timm.create_model('local-dir:' + info['folder'], pretrained=True)
+    w, g = want.state_dict(), got.state_dict()
+    assert w.keys() == g.keys() and all(torch.equal(w[k], g[k]) for k in w)

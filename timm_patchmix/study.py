@@ -33,6 +33,7 @@ import argparse
 import fnmatch
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint import atomic_write_text
+from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, read_settings, write_settings
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
@@ -267,12 +268,20 @@ def _run_export(out: str, task: Task, folder: str) -> Dict[str, Any]:
     if meta['model'].startswith('patchhead_'):
         export_folder(ck, dest, overwrite=True)
     else:
-        tmp = dest + '.partial'
-        timm.models.save_for_hf(model, tmp, safe_serialization=True)
-        if os.path.isdir(dest):
-            import shutil
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        # built in a temporary folder of the project's own naming, so a killed export leaves nothing that a
+        # rerun takes for the result, and the rerun's clean_stale_temps removes it
+        clean_stale_temps(folder)
+        tmp = temp_dir(dest)
+        try:
+            timm.models.save_for_hf(model, tmp, safe_serialization=True)
+            if os.path.isdir(dest):  # a run killed between this rename and its done.json
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            release_temp(tmp)
     return {'folder': dest, 'checkpoint': ck, 'model': meta['model']}
 
 

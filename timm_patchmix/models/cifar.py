@@ -3,7 +3,8 @@
 All have a 3x3 stem at 32x32 and three stages (strides 1, 2, 2), so a 32x32 input gives an 8x8 final map, which a
 2x2, 4x4 or 8x8 grid divides evenly.
 
-- ``resnet32_cifar`` / ``resnet56_cifar``: He et al. (2016) CIFAR ResNets, basic blocks, widths 16-32-64.
+- ``resnet20_cifar`` / ``resnet32_cifar`` / ``resnet56_cifar``: He et al. (2016) CIFAR ResNets, basic blocks,
+  widths 16-32-64.
 - ``preactresnet56_cifar`` / ``preactresnet164_cifar``: pre-activation ResNets (He et al., "Identity Mappings"),
   basic blocks (56) or bottlenecks with 4x expansion (164), widths 16-32-64.
 - ``preactresnet18_cifar``: pre-activation basic blocks [2, 2, 2] with widths 64-128-256.
@@ -248,6 +249,7 @@ def _cfg(**kwargs):
 
 
 default_cfgs = generate_default_cfgs({
+    'resnet20_cifar': _cfg(),
     'resnet32_cifar': _cfg(),
     'resnet56_cifar': _cfg(),
     'preactresnet18_cifar': _cfg(),
@@ -259,6 +261,12 @@ default_cfgs = generate_default_cfgs({
 def _create(variant: str, pretrained: bool = False, **kwargs) -> CifarResNet:
     return build_model_with_cfg(CifarResNet, variant, pretrained,
                                 feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)), **kwargs)
+
+
+@register_model
+def resnet20_cifar(pretrained: bool = False, **kwargs) -> CifarResNet:
+    """ResNet-20 for CIFAR (He et al. 2016): 3 stages of 3 basic blocks, widths 16-32-64, about 0.27M params."""
+    return _create('resnet20_cifar', pretrained, **dict(dict(block='basic', depths=(3, 3, 3)), **kwargs))
 
 
 @register_model
