@@ -3,8 +3,8 @@
 All have a 3x3 stem at 32x32 and three stages (strides 1, 2, 2), so a 32x32 input gives an 8x8 final map, which a
 2x2, 4x4 or 8x8 grid divides evenly.
 
-- ``resnet20_cifar`` / ``resnet32_cifar`` / ``resnet56_cifar``: He et al. (2016) CIFAR ResNets, basic blocks,
-  widths 16-32-64.
+- ``resnet8_cifar`` / ``resnet20_cifar`` / ``resnet32_cifar`` / ``resnet56_cifar``: He et al. (2016) CIFAR ResNets
+  (6n+2 layers), basic blocks, widths 16-32-64.
 - ``preactresnet56_cifar`` / ``preactresnet164_cifar``: pre-activation ResNets (He et al., "Identity Mappings"),
   basic blocks (56) or bottlenecks with 4x expansion (164), widths 16-32-64.
 - ``preactresnet18_cifar``: pre-activation basic blocks [2, 2, 2] with widths 64-128-256.
@@ -249,6 +249,7 @@ def _cfg(**kwargs):
 
 
 default_cfgs = generate_default_cfgs({
+    'resnet8_cifar': _cfg(),
     'resnet20_cifar': _cfg(),
     'resnet32_cifar': _cfg(),
     'resnet56_cifar': _cfg(),
@@ -261,6 +262,13 @@ default_cfgs = generate_default_cfgs({
 def _create(variant: str, pretrained: bool = False, **kwargs) -> CifarResNet:
     return build_model_with_cfg(CifarResNet, variant, pretrained,
                                 feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)), **kwargs)
+
+
+@register_model
+def resnet8_cifar(pretrained: bool = False, **kwargs) -> CifarResNet:
+    """ResNet-8 for CIFAR (He et al.'s 6n+2 family at n=1): one basic block per stage, widths 16-32-64, about
+    0.08M params."""
+    return _create('resnet8_cifar', pretrained, **dict(dict(block='basic', depths=(1, 1, 1)), **kwargs))
 
 
 @register_model
