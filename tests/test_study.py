@@ -145,7 +145,8 @@ def test_study_refuses_other_settings_before_running(tmp_path):
     assert os.listdir(out) == [study.STUDY_FILE]
 
 
-@pytest.mark.parametrize('flags', [['--jobs', '0'], ['--epochs', '0'], ['--train-subset', '-3'], ['--threads', '-1']])
+@pytest.mark.parametrize('flags', [['--jobs', '0'], ['--epochs', '0'], ['--train-subset', '-3'], ['--threads', '-1'],
+                                   ['--model', 'nope'], ['--model', 'patchhead_resnet8_cifar']])
 def test_out_of_range_flags_exit_2_naming_the_flag(tmp_path, flags, capsys):
     with pytest.raises(SystemExit) as e:
         study.main(['--quick', '--output', str(tmp_path / 's')] + flags)
