@@ -161,7 +161,8 @@ def test_safetensors_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize('name, params, tol', [
-    ('resnet20_cifar', 0.27e6, 0.01e6), ('resnet32_cifar', 0.46e6, 0.02e6), ('resnet56_cifar', 0.85e6, 0.02e6),
+    ('resnet8_cifar', 0.078e6, 0.002e6), ('resnet20_cifar', 0.27e6, 0.01e6), ('resnet32_cifar', 0.46e6, 0.02e6),
+    ('resnet56_cifar', 0.85e6, 0.02e6),
     ('preactresnet56_cifar', 0.85e6, 0.02e6), ('preactresnet164_cifar', 1.70e6, 0.05e6),
     ('preactresnet18_cifar', 2.78e6, 0.05e6),
 ])
