@@ -32,6 +32,28 @@ def test_mix_cuda_equals_cpu(mode, dtype, channels_last):
     assert torch.equal(tg.cpu(), tc)
 
 
+@pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
+@pytest.mark.parametrize('prob', [1.0, 0.7])
+def test_mixer_never_waits_for_the_host(mode, prob):
+    """Sampling, mixing and the packed target run on the device without one host synchronisation (the mode
+    raises on any blocking copy, ``.item()`` or data-dependent shape), and give what the CPU gives for the
+    same params."""
+    x = torch.randint(0, 255, (16, 3, 40, 36), device='cuda').float().contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (16,), device='cuda')
+    mixer = PatchMix(grid=4, mode=mode, prob=prob, num_classes=10, label_smoothing=0.1)
+    mixer(x.clone(), y)  # first call: lazy CUDA initialisation outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        mixer(x.clone(), y)
+        xg, tg = mixer(x.clone(), y, generator=torch.Generator('cuda').manual_seed(4))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    params = mixer.sample(16, generator=torch.Generator('cuda').manual_seed(4))
+    xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+    assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+
+
 def test_patchhead_cuda_matches_cpu(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions are not float32-exact
     torch.manual_seed(0)

@@ -347,3 +347,60 @@ def test_mixing_is_bitwise_for_every_float_pattern(dtype, bits, offset):
     expect = reference_mix(x.view(bits).clone(), params.partner, params.mask)[0]
     out, _ = mixer.apply(x, torch.zeros(6, dtype=torch.long), params)
     assert torch.equal(out.view(bits), expect)
+
+
+@pytest.mark.parametrize('size', range(1, 70))
+def test_cell_index_and_sizes_follow_cell_bounds(size):
+    """The device-built pixel-to-cell map and cell lengths agree with ``cell_bounds`` for every split."""
+    from timm_patchmix.grid import cell_index, cell_sizes
+    for parts in range(1, min(size, 9) + 1):
+        bounds = cell_bounds(size, parts)
+        want = [max(k for k in range(parts) if bounds[k] <= p) for p in range(size)]
+        assert cell_index(size, parts).tolist() == want
+        assert cell_sizes(size, parts).tolist() == [bounds[k + 1] - bounds[k] for k in range(parts)]
+    with pytest.raises(ValueError, match='cannot split'):
+        cell_index(size, size + 1)
+
+
+def test_random_cycle_is_one_cycle_without_fixed_points():
+    from timm_patchmix.mix import _random_cycle
+    for n in range(2, 40):
+        partner = _random_cycle(n, torch.Generator().manual_seed(n), 'cpu')
+        seen, i = [], 0
+        for _ in range(n):
+            seen.append(i)
+            i = int(partner[i])
+        assert i == 0 and sorted(seen) == list(range(n))  # back at the start after n steps, every index visited
+
+
+@pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
+@pytest.mark.parametrize('prob', [1.0, 0.6])
+@pytest.mark.parametrize('hw', [(32, 32), (37, 29)])
+def test_accelerator_path_equals_cpu_path(monkeypatch, mode, prob, hw):
+    """The branch accelerators take (pixel mask by indexing, one select, lam from the pixel count) gives the CPU
+    branch's pixels and packed target bit for bit; forced here on the CPU, where both can run."""
+    import timm_patchmix.mix as mix_mod
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 255, (11, 3, *hw), generator=g).to(torch.float32)
+    y = torch.randint(0, 5, (11,), generator=g)
+    mixer = PatchMix(grid=4, mode=mode, prob=prob, num_classes=5, label_smoothing=0.1)
+    params = mixer.sample(11, generator=torch.Generator().manual_seed(1))
+    xc, tc = mixer.apply(x.clone(), y, params)
+    monkeypatch.setattr(mix_mod, '_per_cell', lambda device: False)
+    xs, ts = mixer.apply(x.clone(), y, params)
+    assert torch.equal(xs, xc) and torch.equal(ts, tc)
+    assert not torch.equal(xc, x) or mode == 'batch'  # something was mixed (batch mode may draw one all-keep mask)
+
+
+def test_sampling_happens_on_the_requested_device():
+    """With no generator the params are drawn on ``device`` from its default generator; with one, on the
+    generator's device. Both replay from the seed."""
+    mixer = PatchMix(grid=4, num_classes=3)
+    torch.manual_seed(5)
+    a = mixer.sample(8, device='cpu')
+    torch.manual_seed(5)
+    b = mixer.sample(8, device=torch.device('cpu'))
+    c = mixer.sample(8, generator=torch.Generator().manual_seed(5))
+    assert a.partner.device.type == 'cpu' and a.mask.device.type == 'cpu'
+    assert torch.equal(a.partner, b.partner) and torch.equal(a.mask, b.mask)
+    assert torch.equal(a.partner, c.partner) and torch.equal(a.mask, c.mask)

@@ -18,7 +18,7 @@ import torch
 GridSpec = Union[int, Sequence[int]]
 
 __all__ = ['GridSpec', 'to_grid', 'grid_from_flag', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas',
-           'cell_mask_to_pixels', 'bits_to_mask', 'mask_to_bits']
+           'cell_mask_to_pixels', 'cell_index', 'cell_sizes', 'bits_to_mask', 'mask_to_bits']
 
 
 def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
@@ -74,22 +74,42 @@ def grid_bounds(height: int, width: int, grid: GridSpec) -> Tuple[Tuple[int, ...
 
 
 def cell_areas(height: int, width: int, grid: GridSpec, device=None) -> torch.Tensor:
-    """Pixel count of every cell as a float64 tensor ``[rows, cols]``; sums to ``H * W``."""
-    rb, cb = grid_bounds(height, width, grid)
-    h = torch.tensor([rb[k + 1] - rb[k] for k in range(len(rb) - 1)], dtype=torch.float64, device=device)
-    w = torch.tensor([cb[k + 1] - cb[k] for k in range(len(cb) - 1)], dtype=torch.float64, device=device)
-    return h[:, None] * w[None, :]
+    """Pixel count of every cell as a float64 tensor ``[rows, cols]``; sums to ``H * W``.
+
+    Built with ``arange`` arithmetic on ``device``, so no host list is copied to an accelerator."""
+    rows, cols = to_grid(grid)
+    check_grid_fits(height, width, rows, cols)
+    return (cell_sizes(height, rows, device)[:, None] * cell_sizes(width, cols, device)[None, :]).to(torch.float64)
+
+
+def cell_sizes(size: int, parts: int, device=None) -> torch.Tensor:
+    """Lengths ``b_{k+1} - b_k`` of the ``parts`` cells of :func:`cell_bounds`, an int64 tensor ``[parts]``."""
+    if parts < 1 or size < parts:
+        raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
+    bounds = torch.arange(0, (parts + 1) * size, size, device=device) // parts  # b_k = floor(k * size / parts)
+    return bounds[1:] - bounds[:-1]
+
+
+def cell_index(size: int, parts: int, device=None) -> torch.Tensor:
+    """The cell of every position ``0..size-1`` under :func:`cell_bounds`, an int64 tensor ``[size]``.
+
+    Position ``p`` lies in the last cell ``k`` with ``floor(k * size / parts) <= p``, which is
+    ``floor(((p + 1) * parts - 1) / size)``: one ``arange`` and one division on ``device``, no host copy.
+    """
+    if parts < 1 or size < parts:
+        raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
+    return torch.arange(parts - 1, parts * size, parts, device=device) // size
 
 
 def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Cell masks ``[B, rows, cols]`` -> pixel masks ``[B, H, W]`` on the cells of :func:`cell_bounds`.
 
-    Plain indexing with each pixel row's and column's cell, so no output size depends on the data (no device sync).
+    Plain indexing with each pixel row's and column's cell (:func:`cell_index`), built on the mask's device: no
+    output size depends on the data and nothing crosses from the host, so an accelerator never waits.
     """
     rows, cols = mask.shape[1:]
-    rb, cb = cell_bounds(height, rows), cell_bounds(width, cols)
-    ri = torch.tensor([k for k in range(rows) for _ in range(rb[k + 1] - rb[k])], device=mask.device)
-    ci = torch.tensor([k for k in range(cols) for _ in range(cb[k + 1] - cb[k])], device=mask.device)
+    ri = cell_index(height, rows, mask.device)
+    ci = cell_index(width, cols, mask.device)
     return mask[:, ri][:, :, ci]
 
 

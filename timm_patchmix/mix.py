@@ -75,6 +75,10 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
     """Class indices ``[B]`` or one-hot/soft targets ``[B, C]`` as smoothed float32 rows ``[B, C]``.
 
     Smoothing maps a row ``y`` (for indices, the one-hot row) to ``y * (1 - s) + s / C``.
+
+    Class indices are range-checked where they live on the host. On an accelerator that check would stall the
+    device every batch, so there an out-of-range index fails in the one-hot scatter's own device-side bounds
+    check instead (as it does for timm's ``Mixup``); ``train.py`` checks a dataset's labels once, up front.
     """
     if not isinstance(target, torch.Tensor):
         target = torch.as_tensor(target)
@@ -84,7 +88,8 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
     if target.ndim == 1:
         if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
             raise ValueError(f'1-D targets must be integer class indices, got dtype {target.dtype}')
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
+        if target.device.type == 'cpu' and target.numel() and (
+                int(target.min()) < 0 or int(target.max()) >= num_classes):
             raise ValueError(
                 f'target labels must lie in [0, {num_classes}) for num_classes={num_classes}, '
                 f'got min {int(target.min())} and max {int(target.max())}')
@@ -106,8 +111,9 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
 def pack_target(y_self: torch.Tensor, y_partner: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Pack label rows ``[B, C]``, ``lam [B]`` and keep mask ``[B, rows, cols]`` into one float32 tensor."""
     b, rows, cols = mask.shape
-    header = torch.tensor([rows, cols], dtype=torch.float32, device=y_self.device).expand(b, 2)
-    return torch.cat([header, lam.to(torch.float32).view(b, 1), y_self, y_partner,
+    lam = lam.to(device=y_self.device, dtype=torch.float32).view(b, 1)
+    # the header is filled on the device (torch.tensor from a host list would be a blocking copy to an accelerator)
+    return torch.cat([lam.new_full((b, 1), rows), lam.new_full((b, 1), cols), lam, y_self, y_partner,
                       mask.reshape(b, rows * cols).to(device=y_self.device, dtype=torch.float32)], dim=1)
 
 
@@ -157,9 +163,7 @@ def is_packed_target(target: torch.Tensor, num_classes: int, num_cells: int) -> 
 def _random_cycle(n: int, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """Partner indices along one random cycle over the batch: a permutation with no fixed point for n >= 2."""
     order = torch.randperm(n, generator=generator, device=device)
-    partner = torch.empty_like(order)
-    partner[order] = order.roll(-1)
-    return partner
+    return torch.empty_like(order).scatter_(0, order, order.roll(-1))  # partner[order[k]] = order[k + 1]
 
 
 # word sizes for bitwise copies, widest first; complex128 serves as a 16-byte word (copies do no arithmetic on it)
@@ -228,9 +232,19 @@ def mix_select_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
     """The same in-place mix as :func:`mix_cells_` in two whole-batch kernels: gather the partners into a new
     tensor, then select per pixel into ``x``. It moves more bytes but launches no per-cell kernels and needs no
     device sync, which is what a GPU prefers."""
+    _select(x, partner, cell_mask_to_pixels(mask, x.shape[-2], x.shape[-1]), source)
+    return x
+
+
+def _per_cell(device: torch.device) -> bool:
+    """Whether a batch on ``device`` is mixed cell by cell (:func:`mix_cells_`, the CPU) rather than by one
+    select (:func:`mix_select_`, accelerators, where each kernel launch costs and a sync stalls the device)."""
+    return device.type == 'cpu'
+
+
+def _select(x: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor, source: Optional[torch.Tensor]) -> None:
     src = x if source is None else source
-    pix = cell_mask_to_pixels(mask, x.shape[-2], x.shape[-1]).unsqueeze(1)
-    return torch.where(pix, x, src.index_select(0, partner), out=x)
+    torch.where(pix.unsqueeze(1), x, src.index_select(0, partner), out=x)
 
 
 class PatchMix:
@@ -283,43 +297,45 @@ class PatchMix:
         return (f'{type(self).__name__}(grid={self.grid}, alpha={self.alpha}, prob={self.prob}, mode={self.mode!r}, '
                 f'label_smoothing={self.label_smoothing}, num_classes={self.num_classes})')
 
-    def _mask_bits(self, shape, generator) -> torch.Tensor:
+    def _mask_bits(self, shape, generator, dev) -> torch.Tensor:
         # round(Beta(a, a)) is 1 exactly when the draw exceeds 1/2. Beta(a, a) is symmetric about 1/2, so that
         # event has probability 1/2 for every a > 0: the rounded entry is a fair coin, drawn here directly so that
         # a torch.Generator controls it.
-        dev = generator.device if generator is not None else 'cpu'
         return torch.rand(shape, generator=generator, device=dev) < 0.5
 
-    def _coin(self, n: int, generator) -> torch.Tensor:
-        dev = generator.device if generator is not None else 'cpu'
-        if self.prob >= 1.0:
-            return torch.ones(n, dtype=torch.bool, device=dev)
-        return torch.rand(n, generator=generator, device=dev) < self.prob
+    def _masks(self, n: int, rows: int, cols: int, generator, dev) -> torch.Tensor:
+        """``n`` keep masks; each is all True (unmixed) with probability ``1 - prob``."""
+        mask = self._mask_bits((n, rows, cols), generator, dev)
+        if self.prob < 1.0:
+            mask |= (torch.rand(n, generator=generator, device=dev) >= self.prob).view(-1, 1, 1)
+        return mask
 
     def sample(self, batch_size: int, *, generator: Optional[torch.Generator] = None,
                device=None) -> PatchMixParams:
-        """Draw partners and keep masks for a batch of ``batch_size``."""
+        """Draw partners and keep masks for a batch of ``batch_size`` on ``device`` (default: the CPU).
+
+        The draws are made on ``generator``'s device, or on ``device`` when no generator is given. Drawn on an
+        accelerator, nothing waits for the host: the params are sampled where the batch lives.
+        """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f'batch_size must be a non-negative int, got {batch_size!r}')
         rows, cols = self.grid
-        gdev = generator.device if generator is not None else 'cpu'
+        gdev = generator.device if generator is not None else torch.device('cpu' if device is None else device)
         if not self.mixup_enabled or batch_size == 0:
             return PatchMixParams.identity(batch_size, self.grid, device=device)
         if self.mode == 'elem':
             partner = _random_cycle(batch_size, generator, gdev)
-            mask = self._mask_bits((batch_size, rows, cols), generator)
-            mask |= ~self._coin(batch_size, generator).view(-1, 1, 1)
+            mask = self._masks(batch_size, rows, cols, generator, gdev)
         elif self.mode == 'batch':
             partner = _random_cycle(batch_size, generator, gdev)
-            one = self._mask_bits((1, rows, cols), generator) | ~self._coin(1, generator).view(1, 1, 1)
-            mask = one.expand(batch_size, rows, cols).clone()
+            mask = self._masks(1, rows, cols, generator, gdev).expand(batch_size, rows, cols).clone()
         else:  # pair: samples a and b of a pair swap the same cells; an odd one out stays unmixed
             order = torch.randperm(batch_size, generator=generator, device=gdev)
             npair = batch_size // 2
             a, b = order[0:2 * npair:2], order[1:2 * npair:2]
             partner = torch.arange(batch_size, device=gdev)
             partner[a], partner[b] = b, a
-            pair_mask = self._mask_bits((npair, rows, cols), generator) | ~self._coin(npair, generator).view(-1, 1, 1)
+            pair_mask = self._masks(npair, rows, cols, generator, gdev)
             mask = torch.ones(batch_size, rows, cols, dtype=torch.bool, device=gdev)
             mask[a], mask[b] = pair_mask, pair_mask
         # a sample partnered with itself (batch of one, odd one out) is unmixed, so its lam is 1
@@ -351,19 +367,33 @@ class PatchMix:
         if params.grid != self.grid:
             raise ValueError(f'params are for a {params.grid[0]}x{params.grid[1]} grid but this mixer uses '
                              f'{self.grid[0]}x{self.grid[1]}')
+        return self._apply(x, target, params, src_x, src_t)
+
+    def _apply(self, x: torch.Tensor, target: torch.Tensor, params: PatchMixParams,
+               src_x: Optional[torch.Tensor] = None, src_t: Optional[torch.Tensor] = None):
+        """:meth:`apply` on checked inputs. On an accelerator it launches a fixed sequence of kernels with no
+        host synchronisation: partner gather and one select on a pixel mask made by indexing."""
+        b, _, h, w = x.shape
         y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=x.device)
         y_src = y if src_x is None else soft_target(src_t, self.num_classes, self.label_smoothing,
                                                     batch_size=src_x.shape[0], device=x.device)
         partner = params.partner.to(x.device)
         mask = params.mask.to(x.device)
-        mix = mix_select_ if x.device.type == 'cuda' else mix_cells_
-        mix(x, partner, mask, None if src_x is None else src_x.to(x.device))
-        areas = cell_areas(h, w, self.grid, device=x.device)
-        lam = (mask.to(torch.float64) * areas).sum((1, 2)) / (h * w)
+        source = None if src_x is None else src_x.to(x.device)
+        if _per_cell(x.device):
+            # per-cell copies of only the cells that change: fewer bytes, and a CPU pays nothing per kernel
+            mix_cells_(x, partner, mask, source)
+            lam = (mask.to(torch.float64) * cell_areas(h, w, self.grid)).sum((1, 2)) / (h * w)
+        else:
+            pix = cell_mask_to_pixels(mask, h, w)
+            _select(x, partner, pix, source)
+            lam = pix.sum((1, 2), dtype=torch.float64) / (h * w)  # the same exact pixel count as the CPU's areas
         return x, pack_target(y, y_src[partner], lam, mask)
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor,
                  generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Sample params for ``x``'s batch, then apply them."""
+        """Sample params for ``x``'s batch on its device (or ``generator``'s), then apply them. The params are
+        this mixer's own, so only their shapes need checking: on an accelerator the whole call runs without a
+        host synchronisation."""
         self._check_image(x)
-        return self.apply(x, target, self.sample(x.shape[0], generator=generator, device=x.device))
+        return self._apply(x, target, self.sample(x.shape[0], generator=generator, device=x.device))
