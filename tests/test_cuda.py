@@ -54,6 +54,32 @@ def test_mixer_never_waits_for_the_host(mode, prob):
     assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
 
 
+@pytest.mark.parametrize('size', [32, 56])  # 56: a 14x14 map, so the area-weighted (matmul) pooling runs
+def test_patchhead_train_step_never_waits_for_the_host(size):
+    """Mix, forward under bf16 autocast, PatchMixLoss and backward of a patchhead model: no host sync anywhere
+    (region weights are made on the device, the loss never reads the packed header)."""
+    from timm_patchmix import PatchMixLoss
+    m = timm.create_model('patchhead_resnet32_cifar', num_classes=10).cuda().train()
+    m = m.to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, size, size, device='cuda').contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (8,), device='cuda')
+    mixer, crit = PatchMix(num_classes=10), PatchMixLoss()
+
+    def step():
+        xm, t = mixer(x.clone(), y)
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            out = m(xm)
+        crit(out, t).backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_patchhead_cuda_matches_cpu(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 convolutions are not float32-exact
     torch.manual_seed(0)

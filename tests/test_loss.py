@@ -81,3 +81,45 @@ def test_loss_errors():
         PatchMixLoss()(logits, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match='image_loss or patch_loss'):
         PatchMixLoss(image_loss=False, patch_loss=False)
+
+
+def reference_loss(logits, patch_logits, packed, patch_weight):
+    """The two terms scored apart, straight from the paper's formula on ``split_target``'s targets."""
+    from timm_patchmix import split_target
+    from timm_patchmix.loss import soft_cross_entropy
+    image_t, patch_t = split_target(packed)
+    l_o = soft_cross_entropy(logits, image_t).mean()
+    l_p = soft_cross_entropy(patch_logits, patch_t).sum(1).mean()
+    return (l_o + patch_weight * l_p / patch_logits.shape[1]) / 2
+
+
+@pytest.mark.parametrize('grid, hw', [((4, 4), (32, 32)), ((2, 3), (37, 29)), ((1, 1), (8, 8))])
+@pytest.mark.parametrize('smoothing', [0.0, 0.1])
+@pytest.mark.parametrize('patch_weight', [1.0, 0.25])
+@pytest.mark.parametrize('prob', [1.0, 0.5])
+def test_one_pass_loss_and_gradients_equal_the_two_terms(grid, hw, smoothing, patch_weight, prob):
+    """PatchMixLoss scores image and cell rows in one pass; value and gradients equal the two-term formula."""
+    g = torch.Generator().manual_seed(sum(grid) + int(10 * smoothing) + int(4 * patch_weight) + int(2 * prob))
+    b, c = 12, 7
+    k = grid[0] * grid[1]
+    mixer = PatchMix(grid=grid, num_classes=c, label_smoothing=smoothing, prob=prob)
+    _, packed = mixer(torch.rand(b, 3, *hw, generator=g), torch.randint(0, c, (b,), generator=g), generator=g)
+    logits = (3 * torch.randn(b, c, generator=g)).requires_grad_()
+    patch = (3 * torch.randn(b, k, c, generator=g)).requires_grad_()
+    fused = PatchMixLoss(patch_weight=patch_weight)((logits, patch), packed)
+    gf = torch.autograd.grad(fused, (logits, patch))
+    ref = reference_loss(logits, patch, packed, patch_weight)
+    gr = torch.autograd.grad(ref, (logits, patch))
+    torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)
+    for a, r in zip(gf, gr):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
+
+
+def test_one_pass_loss_under_bfloat16_logits_is_float32():
+    g = torch.Generator().manual_seed(0)
+    _, packed = PatchMix(num_classes=5)(torch.rand(6, 3, 16, 16, generator=g), torch.arange(6) % 5, generator=g)
+    logits, patch = torch.randn(6, 5, generator=g), torch.randn(6, 16, 5, generator=g)
+    fused = PatchMixLoss()((logits.bfloat16(), patch.bfloat16()), packed)
+    assert fused.dtype == torch.float32
+    ref = reference_loss(logits.bfloat16(), patch.bfloat16(), packed, 1.0)
+    torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)

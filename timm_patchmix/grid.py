@@ -10,7 +10,7 @@ search keeps it as.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -18,7 +18,8 @@ import torch
 GridSpec = Union[int, Sequence[int]]
 
 __all__ = ['GridSpec', 'to_grid', 'grid_from_flag', 'cell_bounds', 'grid_bounds', 'check_grid_fits', 'cell_areas',
-           'cell_mask_to_pixels', 'cell_index', 'cell_sizes', 'bits_to_mask', 'mask_to_bits']
+           'cell_mask_to_pixels', 'cell_index', 'cell_sizes', 'bounds_tensor',
+           'bits_to_mask', 'mask_to_bits']
 
 
 def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
@@ -86,8 +87,14 @@ def cell_sizes(size: int, parts: int, device=None) -> torch.Tensor:
     """Lengths ``b_{k+1} - b_k`` of the ``parts`` cells of :func:`cell_bounds`, an int64 tensor ``[parts]``."""
     if parts < 1 or size < parts:
         raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
-    bounds = torch.arange(0, (parts + 1) * size, size, device=device) // parts  # b_k = floor(k * size / parts)
+    bounds = bounds_tensor(size, parts, device)
     return bounds[1:] - bounds[:-1]
+
+
+def bounds_tensor(size: int, parts: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """:func:`cell_bounds` as an int64 tensor ``[parts + 1]`` made on ``device`` by ``arange`` arithmetic (no host
+    list crosses to an accelerator); TorchScript-compatible, for the patch head's region weights."""
+    return torch.arange(0, (parts + 1) * size, size, device=device) // parts  # b_k = floor(k * size / parts)
 
 
 def cell_index(size: int, parts: int, device=None) -> torch.Tensor:

@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mix import is_packed_target, soft_target, split_target
+from .mix import _HEADER, is_packed_target, soft_target, split_target
 
-__all__ = ['PatchMixLoss', 'soft_cross_entropy']
+__all__ = ['PatchMixLoss', 'packed_loss', 'soft_cross_entropy']
 
 ModelOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -65,6 +65,8 @@ class PatchMixLoss(nn.Module):
             raise ValueError(f'target batch size {target.shape[0]} does not match the logits batch size {b}')
 
         use_patch = patch_logits is not None and self.patch_loss
+        if use_patch and self.image_loss and is_packed_target(target, c, patch_logits.shape[1]):
+            return packed_loss(logits, patch_logits, target, self.patch_weight)
         if target.ndim == 1:
             image_t = soft_target(target, c, device=logits.device)
             patch_t = image_t.unsqueeze(1) if use_patch else None
@@ -93,3 +95,27 @@ class PatchMixLoss(nn.Module):
             return patch_term
         l_o = soft_cross_entropy(logits, image_t).mean()
         return (l_o + patch_term) / 2
+
+
+def packed_loss(logits: torch.Tensor, patch_logits: torch.Tensor, packed: torch.Tensor,
+                patch_weight: float = 1.0) -> torch.Tensor:
+    """L_T = (L_O + w * L_P / K) / 2 for logits ``[B, C]``, patch logits ``[B, K, C]`` and a packed target, in one
+    pass over the ``1 + K`` rows of each sample.
+
+    The image row and the K cell rows share one log-softmax, and their targets are one interpolation between the
+    two label rows of the packed target: ``lam`` for the image row, the 0/1 keep mask for a cell (the packed
+    layout of :func:`~timm_patchmix.mix.pack_target`). The per-row weights (``1 / 2B`` for the image row and
+    ``w / 2KB`` for each cell) fold the batch mean and the ``/ 2`` into one dot product. About a third of the
+    kernels of scoring the two terms apart, and no value leaves the device: the packed header is not read, the
+    widths alone locate its fields. Computed in float32.
+    """
+    b, k, c = patch_logits.shape
+    rows = torch.cat([logits.unsqueeze(1), patch_logits], 1).float()  # [B, 1 + K, C]: image row, then the cells
+    packed = packed.float()
+    y_self = packed[:, _HEADER:_HEADER + c].unsqueeze(1)
+    y_partner = packed[:, _HEADER + c:_HEADER + 2 * c].unsqueeze(1)
+    share = torch.cat([packed[:, 2:3], packed[:, _HEADER + 2 * c:]], 1).unsqueeze(2)  # lam, then keep per cell
+    target = torch.lerp(y_partner, y_self, share)  # exactly y_self or y_partner where share is 1 or 0
+    per_row = (target * F.log_softmax(rows, dim=-1)).sum((0, 2))  # [1 + K]: minus each row's CE, summed over B
+    weights = torch.cat([per_row.new_full((1,), -0.5 / b), per_row.new_full((k,), -float(patch_weight) / (2 * k * b))])
+    return torch.dot(per_row, weights)

@@ -78,7 +78,7 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
 
     Class indices are range-checked where they live on the host. On an accelerator that check would stall the
     device every batch, so there an out-of-range index fails in the one-hot scatter's own device-side bounds
-    check instead (as it does for timm's ``Mixup``); ``train.py`` checks a dataset's labels once, up front.
+    check instead (as it does for timm's ``Mixup``). ``train.py`` takes num_classes from the dataset's own classes.
     """
     if not isinstance(target, torch.Tensor):
         target = torch.as_tensor(target)

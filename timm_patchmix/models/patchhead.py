@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn as nn
 import timm
 
-from ..grid import GridSpec, cell_bounds, to_grid
+from ..grid import GridSpec, bounds_tensor, to_grid
 
 try:
     from timm.layers import register_notrace_function
@@ -34,19 +34,16 @@ __all__ = ['PatchHead', 'PatchHeadModel', 'PositionwiseLinear', 'create_patchhea
 PREFIX = 'patchhead_'
 
 
-def region_weights(img_size: int, map_size: int, parts: int) -> torch.Tensor:
+def region_weights(img_size: int, map_size: int, parts: int, device: Optional[torch.device] = None) -> torch.Tensor:
     """Row-stochastic ``[parts, map_size]`` weights: part k averages the map pixels under image cell k, each pixel
-    weighted by the length of its overlap with ``[b_k, b_{k+1})`` (image bounds from ``cell_bounds``)."""
-    if torch.jit.is_scripting():
-        # cell_bounds is lru-cached Python that TorchScript cannot compile; this is its formula
-        bounds = [(k * img_size) // parts for k in range(parts + 1)]
-    else:
-        bounds = list(cell_bounds(img_size, parts))
+    weighted by the length of its overlap with ``[b_k, b_{k+1})`` (image bounds of ``cell_bounds``).
+
+    Made on ``device`` from ``arange`` arithmetic, so an accelerator never waits for a host copy in the forward."""
     # float64 tensor ops, exactly the Python float arithmetic of overlap = max(0, min(hi, i + 1) - max(lo, i))
     scale = map_size / img_size
-    b = torch.tensor(bounds, dtype=torch.float64)
+    b = bounds_tensor(img_size, parts, device).to(torch.float64)
     lo, hi = (b[:-1] * scale)[:, None], (b[1:] * scale)[:, None]
-    i = torch.arange(map_size, dtype=torch.float64)[None]
+    i = torch.arange(map_size, dtype=torch.float64, device=device)[None]
     w = (torch.minimum(hi, i + 1.0) - torch.maximum(lo, i)).clamp(min=0.0)
     return (w / w.sum(1, keepdim=True)).float()
 
@@ -66,9 +63,11 @@ def pool_regions(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int])
         # image and map both split into equal blocks: the weights reduce to plain block means
         out = feat.reshape(b, rows, h // rows, cols, w // cols, f).mean((2, 4))
     else:
-        wr = region_weights(H, h, rows).to(device=feat.device, dtype=feat.dtype)
-        wc = region_weights(W, w, cols).to(device=feat.device, dtype=feat.dtype)
-        out = torch.einsum('rh,bhwf,cw->brcf', [wr, feat, wc])
+        # one [cells, h*w] pooling matrix (outer product of the row and column weights), one batched matmul
+        wr = region_weights(H, h, rows, feat.device)
+        wc = wr if (W, w, cols) == (H, h, rows) else region_weights(W, w, cols, feat.device)
+        pool = (wr[:, None, :, None] * wc[None, :, None, :]).reshape(rows * cols, h * w).to(feat.dtype)
+        out = torch.matmul(pool, feat.reshape(b, h * w, f))
     return out.reshape(b, rows * cols, f)
 
 
