@@ -156,6 +156,9 @@ def _running_flags(g) -> None:
     g.add_argument('-j', '--workers', type=nonneg_int, default=None, help='0: load in the main process')
     g.add_argument('--pin-mem', action='store_true', default=False)
     g.add_argument('--no-prefetcher', action='store_true', default=False)
+    g.add_argument('--device-data', action='store_true', default=False,
+                   help='keep a small-image dataset (sides <= 64) whole on the device as uint8 and crop, flip, '
+                        'normalise and mix its batches there, instead of streaming it through the data loader')
     g.add_argument('--device', default=None, help='default: cuda when available, else cpu')
     g.add_argument('--seed', type=int, default=42)
     g.add_argument('--output', default='', type=optional_directory)

@@ -166,6 +166,7 @@ class TrainConfig:
     workers: Optional[int] = None
     pin_mem: bool = False
     no_prefetcher: bool = False
+    device_data: bool = False  # the dataset whole on the device (see engine.device_data)
     device: Optional[str] = None
     seed: int = 42
     output: str = ''
@@ -226,6 +227,10 @@ class TrainConfig:
             raise TrainSetupError('--patchmix-table trains on guided PatchMix samples; add --patchmix')
         if self.patchmix and self.mixup_active:
             raise TrainSetupError('--patchmix and --mixup/--cutmix are alternatives; choose one')
+        if self.device_data and self.patchmix_collate:
+            raise TrainSetupError('--device-data makes batches on the device, where PatchMix mixes them too; '
+                                  '--patchmix-collate mixes in the data loader, which --device-data replaces. '
+                                  'Drop one of them')
         if self.patchmix and self.patchmix_collate and self.no_prefetcher:
             raise TrainSetupError('--patchmix-collate mixes uint8 batches in the collate step and needs the '
                                   'prefetcher; drop --no-prefetcher or --patchmix-collate')

@@ -127,7 +127,8 @@ def build_mixing(cfg: TrainConfig, class_names):
     if cfg.mixup_active:
         margs = dict(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, cutmix_minmax=cfg.cutmix_minmax,
                      prob=cfg.mixup_prob, switch_prob=cfg.mixup_switch_prob, mode=cfg.mixup_mode, **common)
-        collate, mixer = (FastCollateMixup(**margs), None) if cfg.prefetch else (None, Mixup(**margs))
+        in_loader = cfg.prefetch and not cfg.device_data  # device batches are mixed on the device
+        collate, mixer = (FastCollateMixup(**margs), None) if in_loader else (None, Mixup(**margs))
     elif cfg.patchmix and cfg.patchmix_table:
         from ..guided import GuidedPatchMix, MaskTableError, dataset_fingerprint
         gargs = dict(guided_prob=cfg.guided_prob, random_prob=cfg.random_prob, grid=cfg.grid,
@@ -147,7 +148,7 @@ def build_mixing(cfg: TrainConfig, class_names):
         else:
             mixer = PatchMix(**pargs)
             mixer.mixup_enabled = bool(cfg.patchmix)
-    if collate is None and cfg.prefetch:
+    if collate is None and cfg.prefetch and not cfg.device_data:
         collate = fast_collate
     return mixer, collate
 
@@ -163,6 +164,8 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
     ``--holdout``, the test loader (each image on one rank), behind timm's PrefetchLoader unless
     ``--no-prefetcher``."""
     from timm.data.loader import PrefetchLoader
+    if cfg.device_data:
+        return _device_loaders(cfg, data, rt)
     data.train.transform, data.val.transform = _transforms(cfg)
     if data.test is not None:
         data.test.transform = data.val.transform
@@ -183,6 +186,41 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
         dc = cfg.data_config
         train = PrefetchLoader(train, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
     return Loaders(train, val, sampler, generator, mixer, collate, test)
+
+
+def _device_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
+    """``--device-data``: every split decoded once to uint8 on the device; batches made there (see
+    :mod:`.device_data`). The same DistributedSampler orders the training images as on the loader path."""
+    from ..data import small_image_transform
+    from .device_data import MAX_DEVICE_SIZE, DeviceEvalLoader, DeviceImages, DeviceTrainLoader
+    dc = cfg.data_config
+    in_chans, h, w = dc.input_size
+    if max(h, w) > MAX_DEVICE_SIZE or h != w:
+        raise TrainSetupError(f'--device-data keeps square images of at most {MAX_DEVICE_SIZE}x{MAX_DEVICE_SIZE} '
+                              f'on the device (the CIFAR-style crop and flip); this model takes {h}x{w}. Drop '
+                              f'--device-data to use the data loader and its transforms')
+    mixer, _ = build_mixing(cfg, data.class_names)
+    uint8 = small_image_transform(h, False, in_chans, True, dc.mean, dc.std)  # resize and centre crop, no aug
+    pad = h // 8  # small_image_transform's crop padding
+    try:
+        images = {name: DeviceImages.from_dataset(ds, uint8, rt.device, cfg.workers or 0)
+                  for name, ds in (('train', data.train), ('val', data.val), ('test', data.test)) if ds is not None}
+    except MemoryError as e:
+        raise TrainSetupError(str(e)) from None
+    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank,
+                                                  shuffle=True, seed=cfg.seed, drop_last=True)
+    train = DeviceTrainLoader(images['train'], sampler, cfg.batch_size, dc.mean, dc.std, pad)
+    if len(train) == 0:
+        raise TrainSetupError(f'the training set has {len(data.train)} images, fewer than one batch of '
+                              f'{cfg.batch_size} per process; lower --batch-size')
+    vb = cfg.validation_batch_size or cfg.batch_size
+
+    def evaluation(name):
+        n = len(images[name])
+        return DeviceEvalLoader(images[name], list(StridedSampler(n, rt.rank, rt.world_size)), vb, dc.mean, dc.std)
+
+    test = evaluation('test') if 'test' in images else None
+    return Loaders(train, evaluation('val'), sampler, torch.Generator(), mixer, None, test)
 
 
 def _eval_loader(cfg: TrainConfig, dataset, rt: Runtime):

@@ -24,7 +24,7 @@ RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'holdout', 'holdout
                    'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
-                   'no_prefetcher', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
+                   'no_prefetcher', 'device_data', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
                    'per_position_head', 'reset_head', 'linear_probe')
 
 
