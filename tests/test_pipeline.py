@@ -149,3 +149,21 @@ def test_report_says_when_the_spread_exceeds_the_gaps(tmp_path):
     rep = json.load(open(tmp_path / 'report.json'))
     assert not rep['ranking']['can_rank'] and rep['ranking']['close_pairs'][0]['methods'] == ['random_pm', 'base']
     assert 'too small to rank' in close and 'random_pm and base (gap 1.00, std 5.00)' in close
+
+
+@pytest.mark.parametrize('budget', sorted(__import__('timm_patchmix.pipeline', fromlist=['BUDGETS']).BUDGETS))
+def test_every_budget_parses_into_train_and_search_configs(budget, tmp_path):
+    """Each budget's flags are flags train.py and search.py accept; the gpu budget keeps the data on the device."""
+    from timm_patchmix.pipeline import BUDGETS
+    from timm_patchmix.search.command import parse_config as search_config
+    from timm_patchmix.train import parse_config as train_config
+    flags = BUDGETS[budget]
+    cfg = train_config(flags['train'] + ['--patchmix', '--model', 'patchhead_resnet32_cifar'])
+    assert cfg.recipe == 'paper-cifar' and cfg.patchmix
+    (tmp_path / 'f_T.safetensors').write_bytes(b'')  # the parser checks that the file exists, nothing more
+    scfg = search_config(['--checkpoint', str(tmp_path / 'f_T.safetensors')] + flags['search'])
+    assert scfg.population > 0 and scfg.generations > 0
+    if budget == 'gpu':
+        assert cfg.device_data and cfg.amp and cfg.amp_dtype == 'bfloat16' and cfg.channels_last
+        assert (cfg.epochs, cfg.batch_size, cfg.lr) == (30, 256, 0.2)
+        assert scfg.amp and scfg.channels_last and (scfg.population, scfg.generations) == (500, 250)

@@ -44,6 +44,11 @@ BUDGETS: Dict[str, Dict[str, Any]] = {
               'search': ['--population', '100', '--generations', '30', '--k', '8']},
     'paper': {'train': ['--recipe', 'paper-cifar'], 'test': [],
               'search': ['--population', '500', '--generations', '250', '--k', '16']},
+    # a GPU: the whole dataset on the device (small images), bf16 autocast, channels_last, batch 256 at lr 0.2
+    'gpu': {'train': ['--recipe', 'paper-cifar', '--epochs', '30', '-b', '256', '--lr', '0.2', '--device-data', '--amp',
+                      '--amp-dtype', 'bfloat16', '--channels-last', '-j', '4'], 'test': [],
+            'search': ['--population', '500', '--generations', '250', '--k', '16', '--amp', '--channels-last',
+                       '--eval-batch-size', '4096']},
 }
 METHODS = ('base', 'mixup', 'cutmix', 'random_pm', 'guided_pm')
 FINAL_LOSSES = ('image', 'total')
@@ -64,6 +69,9 @@ EPILOG = '''budgets (every one uses the paper's CIFAR optimiser, --recipe paper-
           search: population 24, 6 generations, K = 4, on 300 held-out images
   small   the whole dataset, 8 epochs; search: population 100, 30 generations, K = 8
   paper   the recipe's 400 epochs; search: population 500, 250 generations, K = 16
+  gpu     the whole dataset kept on the GPU (--device-data; images of at most 64x64), bf16 autocast,
+          channels_last, batch 256 at lr 0.2, 30 epochs (--train-args --epochs N for more);
+          search as paper's, scored under autocast
 with --holdout F (default 0.1) the training images come from the 1 - F not held out; small and paper test on the
 whole test split; with --holdout 0 there is no test split and "held-out" reads "validation split"
 
