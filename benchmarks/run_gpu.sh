@@ -1,17 +1,55 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one go: the CUDA-vs-CPU tests, the full paper-scale search (250 generations), and
-# the mixer and model benchmarks on CUDA. JSON results go to $OUT when set (a remote run), else benchmarks/results.
-#   bash benchmarks/run_gpu.sh [path/to/f_T.safetensors]
-# f_T: a Random-PatchMix checkpoint, e.g. from `python train.py --patchmix --output output/bench --experiment ft-rpm`.
+# Everything that needs a GPU, in two parts sized for a short lease. Results go to $OUT when set (a remote run),
+# else benchmarks/results (speed) and output/gpu_study (study).
+#
+#   bash benchmarks/run_gpu.sh speed         # ~4 min: CUDA tests (sync-free mixer and step), mixer, patch head and
+#                                            #   --device-data benchmarks, JSON per benchmark
+#   EPOCHS=6 bash benchmarks/run_gpu.sh study  # the full-data Fashion-MNIST study, pipeline --budget gpu, 3 seeds
+#
+# Preparation on a machine with pip (the GPU machine reaches no registry):
+#   mkdir -p data/fmnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fmnist/   # data/ is git-ignored
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl deap==1.4.4 timm==1.0.31
+#   echo /.whl/ >> .git/info/exclude
+# and carry data/fmnist and .whl with the run.
 set -u
+PART=${1:-speed}
 R=${OUT:-benchmarks/results}
-CKPT=${1:-output/bench/ft-rpm/best.safetensors}
 export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+    export PYTHONPATH=$PWD
+fi
 mkdir -p "$R"
-python3 -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, timm, deap; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 120 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15
-timeout 330 python3 benchmarks/bench_search.py paper --checkpoint "$CKPT" --generations 250 --device cuda --amp \
-    --channels-last --eval-batch-size 4096 --json "$R/search_paper_cuda.json"
-timeout 60 python3 benchmarks/bench_mix.py --device cuda --json "$R/mix_cuda.json"
-timeout 90 python3 benchmarks/bench_models.py --device cuda --repeats 15 --import-repeats 3 --json "$R/models_cuda.json"
+FM=${FMNIST:-data/fmnist}
+
+if [ "$PART" = speed ]; then
+    timeout 150 python3 -m pytest -q -x tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15
+    timeout 60 python3 benchmarks/bench_mix.py --device cuda --json "$R/mix_cuda.json"
+    timeout 120 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
+        --imagenet-batch 128 --repeats 20 --import-repeats 3 --json "$R/models_cuda.json"
+    timeout 120 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
+        --batch-size 512 --amp --channels-last -j 8 --json "$R/device_data_cuda.json"
+    timeout 150 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
+        --batch-size 512 --amp --channels-last --compile --skip-loader --json "$R/device_data_cuda_compile.json"
+elif [ "$PART" = study ]; then
+    S=output/gpu_study
+    EPOCHS=${EPOCHS:-6}
+    start=$(date +%s)
+    timeout ${STUDY_TIMEOUT:-480} python3 -m timm_patchmix.pipeline --budget gpu --dataset fashion_mnist \
+        --data-dir "$FM" --model resnet32_cifar --seeds 0 1 2 --output "$S" --train-args --epochs "$EPOCHS"
+    echo "study wall time $(( $(date +%s) - start )) s, $EPOCHS epochs"
+    # at most 8 files come back from a lease: the report, and every run's CSVs and records in one archive
+    D=${OUT:-output}
+    (cd "$S" && find . \( -name '*.csv' -o -name '*.json' -o -name '*.md' -o -name '*.yaml' \) -print0 \
+        | tar czf "$D/gpu_study_runs.tar.gz" --null -T -)
+    for f in report.md report.json; do [ -f "$S/$f" ] && cp "$S/$f" "$D/gpu_study_$f"; done
+    ls -la "$S" "$D"
+else
+    echo "usage: bash benchmarks/run_gpu.sh speed|study" >&2
+    exit 2
+fi

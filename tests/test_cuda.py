@@ -42,11 +42,12 @@ def test_mixer_never_waits_for_the_host(mode, prob):
     y = torch.randint(0, 10, (16,), device='cuda')
     mixer = PatchMix(grid=4, mode=mode, prob=prob, num_classes=10, label_smoothing=0.1)
     mixer(x.clone(), y)  # first call: lazy CUDA initialisation outside the checked region
+    gen = torch.Generator('cuda').manual_seed(4)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode('error')
     try:
         mixer(x.clone(), y)
-        xg, tg = mixer(x.clone(), y, generator=torch.Generator('cuda').manual_seed(4))
+        xg, tg = mixer(x.clone(), y, generator=gen)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     params = mixer.sample(16, generator=torch.Generator('cuda').manual_seed(4))
