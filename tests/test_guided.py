@@ -131,3 +131,42 @@ def test_guided_bad_labels_and_memory_size_raise_value_errors():
         collate([(imgs, 0), (imgs, 12)])
     # nothing was half-done: the memory saw no image from the refused batches
     assert int(mixer.memory.count.sum()) == 0 and int(collate.guided.memory.count.sum()) == 0
+
+
+def test_guided_partners_by_the_rules_and_uniform():
+    """Each guided sample takes a uniform open option of its class, then a uniform other image of the option's
+    class from the batch, else one from the memory; a sample whose only open option needs an image it alone is
+    stays unguided."""
+    # class 0: options (0, 1) and (0, 2); class 1: (1, 0); class 2: (2, 0); class 3: (3, 3) only
+    g4 = np.zeros((2, 2), dtype=bool)
+    table = MaskTable((2, 2), 4, list('abcd'), 'fp', [(0, 1), (0, 2), (3, 3)], [g4, ~g4, g4], [0.1] * 3, 0.1)
+    mixer = GuidedPatchMix(table, guided_prob=1.0, random_prob=0.0)
+    gen = torch.Generator().manual_seed(0)
+    y = torch.tensor([0, 1, 1, 2, 2, 2, 0, 3])
+    option_counts, partner_counts = {1: 0, 2: 0}, {}
+    for _ in range(3000):
+        params, guided, extra = mixer.sample(y, generator=gen)
+        assert extra == [] and not guided[7]  # class 3 is alone in the batch and the memory is empty
+        for i in guided.nonzero().flatten().tolist():
+            j = int(params.partner[i])
+            assert j != i and j < len(y)
+            ci, cj = int(y[i]), int(y[j])
+            assert (ci, cj) in ((0, 1), (0, 2), (1, 0), (2, 0))
+            if i == 0:
+                option_counts[cj] += 1
+                partner_counts[j] = partner_counts.get(j, 0) + 1
+    n = sum(option_counts.values())
+    assert n > 2500 and abs(option_counts[1] / n - 0.5) < 0.04  # the two open options alike
+    for j in (1, 2):  # partners of class 1 for sample 0: images 1 and 2 alike
+        assert abs(partner_counts[j] / option_counts[1] - 0.5) < 0.05
+    for j in (3, 4, 5):
+        assert abs(partner_counts[j] / option_counts[2] - 1 / 3) < 0.05
+    # with class 3 in the memory, sample 7 is guided with a memory partner, appended after the batch
+    mixer.memory.update(torch.rand(1, 3, 4, 4), torch.tensor([3]))
+    params, guided, extra = mixer.sample(y, generator=gen)
+    assert guided[7] and int(params.partner[7]) == len(y) + extra.index(3) and extra.count(3) == 1
+    # two images of class 3: each partners the other, never itself
+    y2 = torch.tensor([3, 3])
+    for _ in range(20):
+        params, guided, extra = mixer.sample(y2, generator=gen)
+        assert params.partner.tolist() == [1, 0] and guided.all() and extra == []

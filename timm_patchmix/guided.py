@@ -4,7 +4,7 @@ The table itself (schema, fingerprint, validated load) lives in :mod:`timm_patch
 here too, where earlier versions defined them."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -107,6 +107,13 @@ class GuidedPatchMix:
             self.options[i].append((j, mt))
             if i != j:
                 self.options[j].append((i, ~mt))
+        # the same options flat, grouped by owner class in that order, for the vectorised draw in ``sample``
+        flat = [(c, d, m) for c in range(self.num_classes) for d, m in self.options[c]]
+        rows, cols = table.grid
+        self._opt_owner = torch.tensor([o[0] for o in flat], dtype=torch.long)
+        self._opt_partner = torch.tensor([o[1] for o in flat], dtype=torch.long)
+        self._opt_mask = (torch.stack([o[2] for o in flat]) if flat
+                          else torch.zeros(0, rows, cols, dtype=torch.bool))
         self.mixup_enabled = True
         self.last_counts = {'clean': 0, 'random': 0, 'guided': 0}
 
@@ -121,39 +128,58 @@ class GuidedPatchMix:
         Partners with index >= B refer to extra images appended after the batch from the class memory, in the
         order of the returned class list.
         """
-        lab = self._check_labels(labels).cpu().tolist()
+        # one copy to the host (a sync on an accelerator), then every check and draw there
+        lab = self._check_labels(labels.cpu() if isinstance(labels, torch.Tensor) else labels).long()
         b = len(lab)
         base = self.mixer.sample(b, generator=generator)
         partner, mask = base.partner.clone(), base.mask.clone()
         guided = torch.zeros(b, dtype=torch.bool)
         if not self.mixup_enabled:
             return PatchMixParams.identity(b, self.grid), guided, []
-        by_class: Dict[int, List[int]] = {}
-        for i, c in enumerate(lab):
-            by_class.setdefault(c, []).append(i)
-
-        def available(c):
-            return bool(self.options[c]) and any(bool(by_class.get(d)) or self.memory.has(d) for d, _ in self.options[c])
-        eligible = [i for i, c in enumerate(lab) if available(c)]
+        c = self.num_classes
+        count = torch.bincount(lab, minlength=c)
+        # an option (c, d) is open when an image of class d is in the batch (for d == c that may be the sample
+        # itself, which then finds no partner and stays unguided) or in the memory
+        is_open = ((count > 0) | (self.memory.count > 0))[self._opt_partner]
+        open_per_class = torch.zeros(c, dtype=torch.long).index_add_(0, self._opt_owner, is_open.long())
+        n_open = open_per_class[lab]
+        eligible = n_open > 0
+        n_eligible = int(eligible.sum())
         u = torch.rand(b, generator=generator)
-        p_guided = min(1.0, self.guided_prob * b / len(eligible)) if eligible else 0.0
+        p_guided = min(1.0, self.guided_prob * b / n_eligible) if n_eligible else 0.0
+        chosen = (eligible & (u < p_guided)).nonzero().flatten()
         extra: List[int] = []
-        for i in eligible:
-            if float(u[i]) >= p_guided:
-                continue
-            c = lab[i]
-            opts = [(d, m) for d, m in self.options[c] if by_class.get(d) or self.memory.has(d)]
-            d, m = opts[int(torch.randint(len(opts), (1,), generator=generator))]
-            in_batch = [j for j in by_class.get(d, []) if j != i]
-            if in_batch:
-                partner[i] = in_batch[int(torch.randint(len(in_batch), (1,), generator=generator))]
-            elif self.memory.has(d):
-                partner[i] = b + len(extra)
-                extra.append(d)
-            else:
-                continue
-            mask[i] = m
-            guided[i] = True
+        if len(chosen):
+            # each chosen sample: a uniform open option of its class, then a uniform partner of that option's class
+            # from the batch (not itself), else from the memory
+            v_option, v_partner = torch.rand(2, len(chosen), generator=generator)
+            open_rank = torch.cumsum(is_open.long(), 0) - 1
+            first_open = open_rank - (torch.cumsum(open_per_class, 0) - open_per_class)[self._opt_owner]
+            by_rank = torch.full((c, int(open_per_class.max())), -1, dtype=torch.long)
+            k_open = is_open.nonzero().flatten()
+            by_rank[self._opt_owner[k_open], first_open[k_open]] = k_open
+            own = lab[chosen]
+            pick = torch.minimum((v_option * n_open[chosen]).long(), n_open[chosen] - 1)
+            option = by_rank[own, pick]
+            d = self._opt_partner[option]
+            same = (d == own).long()
+            choices = count[d] - same
+            order = torch.sort(lab, stable=True).indices  # the batch grouped by class, in index order
+            start = torch.cumsum(count, 0) - count
+            place = torch.empty(b, dtype=torch.long)
+            place[order] = torch.arange(b)
+            r = torch.minimum((v_partner * choices).long(), (choices - 1).clamp(min=0))
+            r = r + same * (r >= place[chosen] - start[own]).long()  # step over the sample itself
+            in_batch = choices > 0
+            from_memory = ~in_batch & (self.memory.count[d] > 0)
+            take = in_batch | from_memory
+            slot = torch.cumsum(from_memory.long(), 0) - 1
+            new_partner = torch.where(in_batch, order[(start[d] + r).clamp(max=b - 1)], b + slot)
+            rows = chosen[take]
+            partner[rows] = new_partner[take]
+            mask[rows] = self._opt_mask[option[take]]
+            guided[rows] = True
+            extra = d[from_memory].tolist()
         # the rest: random PatchMix with random_prob of the whole batch, clean otherwise
         rest = (~guided).nonzero().flatten()
         if len(rest):
@@ -185,7 +211,9 @@ class GuidedPatchMix:
             source = (torch.cat([x, mem]),
                       torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)]))
         self.memory.update(x, target)  # the clean images, before x is mixed
-        mixed, packed = self.mixer.apply(x, target, params.to(x.device), source=source)
+        # params made here, valid by construction: _apply skips the value checks that read them back
+        src_x, src_t = (None, None) if source is None else source
+        mixed, packed = self.mixer._apply(x, target, params.to(x.device), src_x, src_t)
         n_guided = int(guided.sum())
         n_clean = int((params.mask.flatten(1).all(1) & ~guided).sum())
         self.last_counts = {'guided': n_guided, 'clean': n_clean, 'random': len(guided) - n_guided - n_clean}
