@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
-           'small_image_transform', 'pixel_transform', 'read_idx']
+           'default_crop_padding', 'small_image_transform', 'pixel_transform', 'read_idx']
 
 _logger = logging.getLogger(__name__)
 
@@ -366,6 +366,11 @@ def dataset_num_classes(ds: PILView) -> int:
     raise ValueError('cannot tell the number of classes of this dataset; pass --num-classes')
 
 
+def default_crop_padding(img_size: int) -> int:
+    """The reflect padding of the small-image random crop: an eighth of the side (4 at 32x32, as for CIFAR)."""
+    return img_size // 8
+
+
 def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_prefetcher: bool,
                           mean, std, crop_padding: Optional[int] = None):
     """CIFAR-style transform for small images: resize to ``img_size`` if needed, then (training) a random crop
@@ -377,7 +382,7 @@ def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_p
     ops.append(T.Resize(img_size, interpolation=T.InterpolationMode.BILINEAR))
     ops.append(T.CenterCrop(img_size))
     if is_training:
-        pad = img_size // 8 if crop_padding is None else crop_padding
+        pad = default_crop_padding(img_size) if crop_padding is None else crop_padding
         ops += [T.RandomCrop(img_size, padding=pad, padding_mode='reflect'), T.RandomHorizontalFlip()]
     if use_prefetcher:
         ops.append(ToNumpy())

@@ -54,9 +54,13 @@ def cell_bounds(size: int, parts: int) -> Tuple[int, ...]:
 
     Cell ``k`` spans ``[b_k, b_{k+1})``. Requires ``1 <= parts <= size`` so that every cell is non-empty.
     """
+    _check_split(size, parts)
+    return tuple((k * size) // parts for k in range(parts + 1))
+
+
+def _check_split(size: int, parts: int) -> None:
     if parts < 1 or size < parts:
         raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
-    return tuple((k * size) // parts for k in range(parts + 1))
 
 
 def check_grid_fits(height: int, width: int, rows: int, cols: int, what: str = 'image') -> None:
@@ -85,8 +89,7 @@ def cell_areas(height: int, width: int, grid: GridSpec, device=None) -> torch.Te
 
 def cell_sizes(size: int, parts: int, device=None) -> torch.Tensor:
     """Lengths ``b_{k+1} - b_k`` of the ``parts`` cells of :func:`cell_bounds`, an int64 tensor ``[parts]``."""
-    if parts < 1 or size < parts:
-        raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
+    _check_split(size, parts)
     bounds = bounds_tensor(size, parts, device)
     return bounds[1:] - bounds[:-1]
 
@@ -103,8 +106,7 @@ def cell_index(size: int, parts: int, device=None) -> torch.Tensor:
     Position ``p`` lies in the last cell ``k`` with ``floor(k * size / parts) <= p``, which is
     ``floor(((p + 1) * parts - 1) / size)``: one ``arange`` and one division on ``device``, no host copy.
     """
-    if parts < 1 or size < parts:
-        raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
+    _check_split(size, parts)
     return torch.arange(parts - 1, parts * size, parts, device=device) // size
 
 

@@ -154,10 +154,10 @@ class GuidedPatchMix:
             # from the batch (not itself), else from the memory
             v_option, v_partner = torch.rand(2, len(chosen), generator=generator)
             open_rank = torch.cumsum(is_open.long(), 0) - 1
-            first_open = open_rank - (torch.cumsum(open_per_class, 0) - open_per_class)[self._opt_owner]
+            rank_in_class = open_rank - (torch.cumsum(open_per_class, 0) - open_per_class)[self._opt_owner]
             by_rank = torch.full((c, int(open_per_class.max())), -1, dtype=torch.long)
             k_open = is_open.nonzero().flatten()
-            by_rank[self._opt_owner[k_open], first_open[k_open]] = k_open
+            by_rank[self._opt_owner[k_open], rank_in_class[k_open]] = k_open
             own = lab[chosen]
             pick = torch.minimum((v_option * n_open[chosen]).long(), n_open[chosen] - 1)
             option = by_rank[own, pick]

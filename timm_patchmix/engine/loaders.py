@@ -170,16 +170,13 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
     if data.test is not None:
         data.test.transform = data.val.transform
     mixer, collate = build_mixing(cfg, data.class_names)
-    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank,
-                                                  shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler = _train_sampler(cfg, data, rt)
     generator = torch.Generator()
     train = torch.utils.data.DataLoader(
         data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers, collate_fn=collate,
         drop_last=True, pin_memory=cfg.pin_mem, worker_init_fn=_seed_worker, generator=generator,
         persistent_workers=False)
-    if len(train) == 0:
-        raise TrainSetupError(f'the training set has {len(data.train)} images, fewer than one batch of '
-                              f'{cfg.batch_size} per process; lower --batch-size')
+    _non_empty(train, cfg, data)
     val = _eval_loader(cfg, data.val, rt)
     test = _eval_loader(cfg, data.test, rt) if data.test is not None else None
     if cfg.prefetch:
@@ -188,10 +185,24 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
     return Loaders(train, val, sampler, generator, mixer, collate, test)
 
 
+def _train_sampler(cfg: TrainConfig, data: Datasets, rt: Runtime) -> torch.utils.data.DistributedSampler:
+    """This process's share of the training images, reshuffled per epoch, whole batches only."""
+    return torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank, shuffle=True,
+                                               seed=cfg.seed, drop_last=True)
+
+
+def _non_empty(train, cfg: TrainConfig, data: Datasets):
+    """``train``, unless it has no batch at all."""
+    if len(train) == 0:
+        raise TrainSetupError(f'the training set has {len(data.train)} images, fewer than one batch of '
+                              f'{cfg.batch_size} per process; lower --batch-size')
+    return train
+
+
 def _device_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
     """``--device-data``: every split decoded once to uint8 on the device; batches made there (see
     :mod:`.device_data`). The same DistributedSampler orders the training images as on the loader path."""
-    from ..data import small_image_transform
+    from ..data import default_crop_padding, small_image_transform
     from .device_data import MAX_DEVICE_SIZE, DeviceEvalLoader, DeviceImages, DeviceTrainLoader
     dc = cfg.data_config
     in_chans, h, w = dc.input_size
@@ -201,18 +212,14 @@ def _device_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
                               f'--device-data to use the data loader and its transforms')
     mixer, _ = build_mixing(cfg, data.class_names)
     uint8 = small_image_transform(h, False, in_chans, True, dc.mean, dc.std)  # resize and centre crop, no aug
-    pad = h // 8  # small_image_transform's crop padding
+    pad = default_crop_padding(h)
     try:
         images = {name: DeviceImages.from_dataset(ds, uint8, rt.device, cfg.workers or 0)
                   for name, ds in (('train', data.train), ('val', data.val), ('test', data.test)) if ds is not None}
     except MemoryError as e:
         raise TrainSetupError(str(e)) from None
-    sampler = torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank,
-                                                  shuffle=True, seed=cfg.seed, drop_last=True)
-    train = DeviceTrainLoader(images['train'], sampler, cfg.batch_size, dc.mean, dc.std, pad)
-    if len(train) == 0:
-        raise TrainSetupError(f'the training set has {len(data.train)} images, fewer than one batch of '
-                              f'{cfg.batch_size} per process; lower --batch-size')
+    sampler = _train_sampler(cfg, data, rt)
+    train = _non_empty(DeviceTrainLoader(images['train'], sampler, cfg.batch_size, dc.mean, dc.std, pad), cfg, data)
     vb = cfg.validation_batch_size or cfg.batch_size
 
     def evaluation(name):
