@@ -28,13 +28,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 FM=${FMNIST:-data/fmnist}
 
 if [ "$PART" = speed ]; then
-    timeout 150 python3 -m pytest -q -x tests/test_cuda.py -p no:cacheprovider 2>&1 | tail -15
-    timeout 60 python3 benchmarks/bench_mix.py --device cuda --json "$R/mix_cuda.json"
-    timeout 120 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
-        --imagenet-batch 128 --repeats 20 --import-repeats 3 --json "$R/models_cuda.json"
-    timeout 120 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
+    timeout 100 python3 -m pytest -q -rfE tests/test_cuda.py -p no:cacheprovider >"$R/cuda_tests.log" 2>&1
+    tail -25 "$R/cuda_tests.log"
+    timeout 45 python3 benchmarks/bench_mix.py --device cuda --json "$R/mix_cuda.json"
+    timeout 90 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
+        --imagenet-batch 128 --repeats 20 --import-repeats 1 --json "$R/models_cuda.json"
+    timeout 75 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
         --batch-size 512 --amp --channels-last -j 8 --json "$R/device_data_cuda.json"
-    timeout 150 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
+    timeout 130 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
         --batch-size 512 --amp --channels-last --compile --skip-loader --json "$R/device_data_cuda_compile.json"
 elif [ "$PART" = study ]; then
     S=output/gpu_study
