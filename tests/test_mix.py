@@ -404,3 +404,63 @@ def test_sampling_happens_on_the_requested_device():
     assert a.partner.device.type == 'cpu' and a.mask.device.type == 'cpu'
     assert torch.equal(a.partner, b.partner) and torch.equal(a.mask, b.mask)
     assert torch.equal(a.partner, c.partner) and torch.equal(a.mask, c.mask)
+
+
+@pytest.mark.parametrize('grid', [1, 2, 4, (3, 5), (7, 2)])
+def test_cell_mask_to_pixels_paints_each_cell_of_cell_bounds(grid):
+    """The one-gather pixel mask equals painting every cell's rectangle of ``grid_bounds``, for sizes the grid
+    divides and sizes it does not; the cached pixel-to-cell map is reused across calls and batch sizes."""
+    from timm_patchmix.grid import cell_mask_to_pixels, grid_bounds
+    rows, cols = to_grid(grid)
+    g = torch.Generator().manual_seed(rows * 10 + cols)
+    for h, w in [(8, 8), (37, 29), (rows, cols), (224, 224), (33, 64)]:
+        if h < rows or w < cols:
+            continue
+        rb, cb = grid_bounds(h, w, (rows, cols))
+        for b in (1, 5):
+            mask = torch.rand(b, rows, cols, generator=g) < 0.5
+            want = torch.empty(b, h, w, dtype=torch.bool)
+            for r in range(rows):
+                for c in range(cols):
+                    want[:, rb[r]:rb[r + 1], cb[c]:cb[c + 1]] = mask[:, r, c].view(b, 1, 1)
+            got = cell_mask_to_pixels(mask, h, w)
+            assert got.dtype == torch.bool and got.shape == (b, h, w) and torch.equal(got, want)
+
+
+def test_cached_constants_survive_inference_mode_and_caller_edits():
+    """The pixel-to-cell map and the packed header are built once per key and kept. Built first inside
+    ``inference_mode`` they are still ordinary tensors, so training after an inference-mode preview can mix a
+    batch that autograd follows; and a caller editing a packed target in place changes no later target."""
+    from timm_patchmix.grid import _pixel_cells, cell_mask_to_pixels
+    from timm_patchmix.mix import _header
+    _pixel_cells.cache_clear()
+    _header.cache_clear()
+    mask = torch.rand(3, 4, 4) < 0.5
+    with torch.inference_mode():
+        pix_inf = cell_mask_to_pixels(mask, 12, 12)
+        pack_target(torch.eye(3), torch.eye(3), torch.ones(3), mask)
+    assert not _pixel_cells(12, 12, 4, 4, torch.device('cpu')).is_inference()
+    assert not _header(4, 4, torch.device('cpu')).is_inference()
+    pix = cell_mask_to_pixels(mask, 12, 12)
+    assert torch.equal(pix, pix_inf)
+    a = torch.rand(3, 1, 12, 12, requires_grad=True)
+    torch.where(pix.unsqueeze(1), a, torch.zeros(())).sum().backward()
+    assert torch.equal(a.grad, pix.unsqueeze(1).float())
+    packed = pack_target(torch.eye(3), torch.eye(3), torch.ones(3), mask)
+    packed[:, :2] = -1.0  # a caller's in-place edit of its own target
+    again = pack_target(torch.eye(3), torch.eye(3), torch.ones(3), mask)
+    assert again[:, 0].eq(4).all() and again[:, 1].eq(4).all()
+    rect = pack_target(torch.eye(2), torch.eye(2), torch.ones(2), torch.ones(2, 3, 5, dtype=torch.bool))
+    assert rect[:, 0].eq(3).all() and rect[:, 1].eq(5).all()
+
+
+@pytest.mark.parametrize('mode', ['elem', 'batch'])
+def test_cycle_modes_never_pair_a_sample_with_itself(mode):
+    """elem and batch draw partners along one random cycle, which has no fixed point for two or more samples, so
+    they skip the self-partner fix-up; a batch of one is still unmixed with lam 1."""
+    mixer = PatchMix(grid=4, mode=mode, num_classes=3)
+    for n in range(2, 30):
+        p = mixer.sample(n, generator=torch.Generator().manual_seed(n))
+        assert not (p.partner == torch.arange(n)).any()
+    one = mixer.sample(1, generator=torch.Generator().manual_seed(0))
+    assert one.partner.tolist() == [0] and one.mask.all()

@@ -110,16 +110,31 @@ def cell_index(size: int, parts: int, device=None) -> torch.Tensor:
     return torch.arange(parts - 1, parts * size, parts, device=device) // size
 
 
+@lru_cache(maxsize=32)
+def _pixel_cells(height: int, width: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """The flat cell ``r * cols + c`` of every pixel of an ``H x W`` plane in row-major order, an int64 tensor
+    ``[H * W]`` on ``device``, from :func:`cell_index` of the rows and of the columns.
+
+    A pure function of its arguments, built once per key with ``arange`` arithmetic on ``device`` (no host copy)
+    and kept as a read-only constant, so that turning cell masks into pixel masks is one ``index_select``. It is
+    built outside autograd and inference mode, so it is an ordinary tensor wherever it is used next; treat it
+    as read-only.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        ri = cell_index(height, rows, device)
+        ci = cell_index(width, cols, device)
+        return (ri[:, None] * cols + ci[None, :]).reshape(-1)
+
+
 def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Cell masks ``[B, rows, cols]`` -> pixel masks ``[B, H, W]`` on the cells of :func:`cell_bounds`.
 
-    Plain indexing with each pixel row's and column's cell (:func:`cell_index`), built on the mask's device: no
-    output size depends on the data and nothing crosses from the host, so an accelerator never waits.
+    One ``index_select`` of the flattened masks with :func:`_pixel_cells` on the mask's device: no output size
+    depends on the data and nothing crosses from the host, so an accelerator never waits.
     """
-    rows, cols = mask.shape[1:]
-    ri = cell_index(height, rows, mask.device)
-    ci = cell_index(width, cols, mask.device)
-    return mask[:, ri][:, :, ci]
+    b, rows, cols = mask.shape
+    idx = _pixel_cells(height, width, rows, cols, mask.device)
+    return mask.reshape(b, rows * cols).index_select(1, idx).view(b, height, width)
 
 
 def bits_to_mask(bits, rows: int, cols: int):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
@@ -112,9 +113,17 @@ def pack_target(y_self: torch.Tensor, y_partner: torch.Tensor, lam: torch.Tensor
     """Pack label rows ``[B, C]``, ``lam [B]`` and keep mask ``[B, rows, cols]`` into one float32 tensor."""
     b, rows, cols = mask.shape
     lam = lam.to(device=y_self.device, dtype=torch.float32).view(b, 1)
-    # the header is filled on the device (torch.tensor from a host list would be a blocking copy to an accelerator)
-    return torch.cat([lam.new_full((b, 1), rows), lam.new_full((b, 1), cols), lam, y_self, y_partner,
+    return torch.cat([_header(rows, cols, y_self.device).expand(b, 2), lam, y_self, y_partner,
                       mask.reshape(b, rows * cols).to(device=y_self.device, dtype=torch.float32)], dim=1)
+
+
+@lru_cache(maxsize=32)
+def _header(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """The packed target's grid header ``[[rows, cols]]`` as float32 on ``device``: a read-only constant, filled
+    on the device once per key (``torch.tensor`` from a host list would be a blocking copy to an accelerator in
+    every call) and built outside autograd and inference mode."""
+    with torch.inference_mode(False), torch.no_grad():
+        return (torch.arange(2, dtype=torch.float32, device=device) * (cols - rows) + rows).view(1, 2)
 
 
 def _unpack(packed: torch.Tensor, grid: Optional[GridSpec] = None):
@@ -338,8 +347,10 @@ class PatchMix:
             pair_mask = self._masks(npair, rows, cols, generator, gdev)
             mask = torch.ones(batch_size, rows, cols, dtype=torch.bool, device=gdev)
             mask[a], mask[b] = pair_mask, pair_mask
-        # a sample partnered with itself (batch of one, odd one out) is unmixed, so its lam is 1
-        mask |= (partner == torch.arange(batch_size, device=gdev)).view(-1, 1, 1)
+        # a sample partnered with itself (batch of one, odd one out) is unmixed, so its lam is 1; a random cycle
+        # over two or more samples has no fixed point, so elem and batch skip these three ops
+        if self.mode == 'pair' or batch_size < 2:
+            mask |= (partner == torch.arange(batch_size, device=gdev)).view(-1, 1, 1)
         return PatchMixParams(partner.to(device), mask.to(device))
 
     def _check_image(self, x: torch.Tensor) -> None:

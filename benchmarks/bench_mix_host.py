@@ -1,0 +1,95 @@
+"""The mixer's host cost per call: aten calls dispatched and host time, against timm's batch-mode CutMix.
+
+    python benchmarks/bench_mix_host.py [--repeats 300] [--json benchmarks/results/mix_host_cpu.json]
+
+At the sizes a GPU trains on, a mixer call is bound by the host, not by memory: every dispatched aten call (a
+kernel launch, or a view's bookkeeping) costs host time whatever the tensor's size. This benchmark measures that
+part on the CPU, where no GPU is needed: it runs PatchMix's accelerator branch (the one select on a pixel mask that
+``PatchMix`` takes on every device but the CPU) on a tiny float32 batch [128, 3, 8, 8], so that the arithmetic is
+negligible, and counts the aten calls of one call (views included) with a dispatch mode. timm's
+``Mixup(cutmix_alpha=1, mode='batch')`` runs beside it on the same tensors. With ``--device cuda`` it runs on the
+GPU as is (no branch forced) and times with a synchronize after each call.
+
+On the CPU the labels are range-checked on the host (``soft_target``), which adds four calls (``min``, ``max`` and
+their two reads) that a GPU batch does not make.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from timm.data import Mixup
+from torch.utils._python_dispatch import TorchDispatchMode  # call counting only; no result depends on it
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
+import timm_patchmix.mix as mix  # noqa: E402
+from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+
+
+class _Calls(TorchDispatchMode):
+    """Records the name of every aten call that reaches dispatch, views included."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--repeats', type=int, default=300)
+    p.add_argument('--device', default='cpu')
+    p.add_argument('--json', default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == 'cpu':
+        mix._per_cell = lambda dev: False  # this benchmark measures the accelerator branch, on the CPU
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    torch.manual_seed(0)
+    x = torch.randn(128, 3, 8, 8, device=device)
+    y = torch.randint(0, 1000, (128,), device=device)
+    cases = {f'patchmix_{m}': (lambda m=m: mix.PatchMix(grid=4, mode=m, num_classes=1000)(x, y))
+             for m in mix.MIX_MODES}
+    cut = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
+    cases['timm_cutmix_batch'] = lambda: cut(x, y)
+    for fn in cases.values():  # warm-up, and any one-time constants built
+        fn()
+        fn()
+    calls = {}
+    for k, fn in cases.items():
+        counter = _Calls()
+        with counter:
+            fn()
+        calls[k] = counter.calls
+    samples = {k: [] for k in cases}
+    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every case alike
+        for k, fn in cases.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples[k].append((time.perf_counter() - t0) * 1e6)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    base = med['timm_cutmix_batch']
+    print(f'host cost per mixer call, float32 128x3x8x8 on {device}, median of {args.repeats}:')
+    for k in cases:
+        print(f'  {k:18s} {len(calls[k]):3d} aten calls  {med[k]:7.0f} us  {med[k] / base:5.2f}x timm batch CutMix')
+    print('  patchmix_elem calls:', ' '.join(calls['patchmix_elem']))
+    if args.json:
+        result = {'device': str(device), 'torch': torch.__version__, 'shape': [128, 3, 8, 8],
+                  'repeats': args.repeats, 'median_us': med, 'aten_calls': {k: len(v) for k, v in calls.items()},
+                  'calls': calls}
+        atomic_write_text(args.json, json.dumps(result, indent=1))
+        print(f'saved {args.json}')
+
+
+if __name__ == '__main__':
+    main()
