@@ -77,6 +77,7 @@ def main() -> None:
     floor = tensor['copy_floor']
     result = {
         'device': str(device), 'torch': torch.__version__, 'threads': torch.get_num_threads(),
+        'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),
         'machine': platform.processor() or platform.machine(), 'repeats': args.repeats,
         'tensor': {'shape': [n, 3, s, s], 'median_ms': tensor,
                    'ratio_to_copy_floor': {k: v / floor for k, v in tensor.items()}},

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -85,6 +86,7 @@ def main() -> None:
     print('  patchmix_elem calls:', ' '.join(calls['patchmix_elem']))
     if args.json:
         result = {'device': str(device), 'torch': torch.__version__, 'shape': [128, 3, 8, 8],
+                  'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),
                   'repeats': args.repeats, 'median_us': med, 'aten_calls': {k: len(v) for k, v in calls.items()},
                   'calls': calls}
         atomic_write_text(args.json, json.dumps(result, indent=1))

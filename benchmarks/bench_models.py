@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -142,7 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(torch.get_num_threads())
-    results = {'device': str(device), 'torch': torch.__version__, 'timm': timm.__version__, 'steps': []}
+    results = {'device': str(device), 'torch': torch.__version__, 'timm': timm.__version__, 'steps': [],
+               'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor()}
     cases = () if args.only_import else (('preactresnet56_cifar', args.cifar_batch, 32, 10),
                                          ('resnet50', args.imagenet_batch, 224, 1000))
     for arch, batch, size, nc in cases:

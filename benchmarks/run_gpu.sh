@@ -9,7 +9,9 @@
 # Preparation on a machine with pip (the GPU machine reaches no registry):
 #   mkdir -p data/fmnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fmnist/   # data/ is git-ignored
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl deap==1.4.4 timm==1.0.31
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+#       deap==1.4.4 moocore==0.3.2 cffi==2.1.1 pycparser==3.12 platformdirs==4.14.8 timm==1.0.31
+#   (deap 1.4.4 imports moocore, which needs cffi, pycparser and platformdirs; the GPU image has none of them)
 #   echo /.whl/ >> .git/info/exclude
 # and carry data/fmnist and .whl with the run.
 set -u
@@ -31,6 +33,7 @@ if [ "$PART" = speed ]; then
     timeout 100 python3 -m pytest -q -rfE tests/test_cuda.py -p no:cacheprovider >"$R/cuda_tests.log" 2>&1
     tail -25 "$R/cuda_tests.log"
     timeout 45 python3 benchmarks/bench_mix.py --device cuda --json "$R/mix_cuda.json"
+    timeout 30 python3 benchmarks/bench_mix_host.py --device cuda --repeats 200 --json "$R/mix_host_cuda.json"
     timeout 90 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
         --imagenet-batch 128 --repeats 20 --import-repeats 1 --json "$R/models_cuda.json"
     timeout 75 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
