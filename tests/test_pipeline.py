@@ -167,3 +167,68 @@ def test_every_budget_parses_into_train_and_search_configs(budget, tmp_path):
         assert cfg.device_data and cfg.amp and cfg.amp_dtype == 'bfloat16' and cfg.channels_last
         assert (cfg.epochs, cfg.batch_size, cfg.lr) == (30, 256, 0.2)
         assert scfg.amp and scfg.channels_last and (scfg.population, scfg.generations) == (500, 250)
+
+
+def _snapshot(folder):
+    """Every file under ``folder`` with its bytes and modification time."""
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, 'rb') as fh:
+                out[os.path.relpath(p, folder)] = (fh.read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def _finished_phases(out, argv):
+    """A pipeline folder whose f_T, search and guided phases are marked done, as a run with ``argv`` leaves them (the
+    files stand in for the real ones: only their presence and content are compared); the f_T checkpoint and the
+    search's table."""
+    from timm_patchmix.pipeline import SETTINGS_FILE, _guided_settings, _phase_settings, build_parser
+    from timm_patchmix.settings import file_record, write_settings
+    args = build_parser().parse_args(argv)
+    seed = out / 'seed0'
+    for name in ('random_pm', 'search', 'guided_pm'):
+        (seed / name).mkdir(parents=True)
+    ft, table = seed / 'random_pm' / 'best.safetensors', seed / 'search' / 'masks.json'
+    ft.write_bytes(b'f_T weights')
+    table.write_text('{"pairs": []}\n')
+    write_settings(str(seed / 'random_pm' / SETTINGS_FILE), _phase_settings(args, 0))
+    write_settings(str(seed / 'search' / SETTINGS_FILE), _phase_settings(args, 0, {'f_T': file_record(str(ft))}))
+    write_settings(str(seed / 'guided_pm' / SETTINGS_FILE),
+                   _phase_settings(args, 0, _guided_settings(args, str(table))))
+    run = {'seed': 0, 'final_top1': 1.0, 'best_top1': 1.0, 'epochs': 1}
+    (seed / 'random_pm' / 'done.json').write_text(json.dumps(dict(run, method='random_pm',
+                                                                  output=str(seed / 'random_pm'))))
+    (seed / 'search' / 'done.json').write_text(json.dumps({'table': str(table)}))
+    (seed / 'guided_pm' / 'done.json').write_text(json.dumps(dict(run, method='guided_pm',
+                                                                  output=str(seed / 'guided_pm'))))
+    return ft, table
+
+
+@pytest.mark.parametrize('missing, phase, reader', [('f_T', 'random_pm', 'search'),
+                                                    ('table', 'search', 'guided_pm')])
+def test_rerun_refuses_a_finished_phase_without_its_output(tmp_path, capsys, missing, phase, reader):
+    """A phase marked done whose output a later phase reads (f_T's best.safetensors for the search, the search's
+    masks.json for the guided model) but which is gone (a study copied without its checkpoints): the rerun stops
+    with exit status 2 before writing anything, naming the missing file, the phase and what to do."""
+    from timm_patchmix.pipeline import cli
+    out = tmp_path / 'out'
+    argv = ['--output', str(out), '--methods', 'random_pm', 'guided_pm'] + TINY_TRAIN
+    ft, table = _finished_phases(out, argv)
+    gone = {'f_T': ft, 'table': table}[missing]
+    gone.unlink()
+    before = _snapshot(out)
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err and err.startswith('error: ')
+    msg = err[len('error: '):].strip()
+    assert '\n' not in msg, msg  # one paragraph
+    assert str(gone) in msg and str(out / 'seed0' / phase) in msg and 'done.json' in msg
+    assert 'Restore' in msg and f'delete {out / "seed0" / phase}' in msg
+    assert str(out / 'seed0' / reader) in msg  # the phase made from the missing file, to delete with it
+    assert _snapshot(out) == before  # nothing written: no report, no guided samples, no settings
+    # a run that does not need the missing file still reuses the finished phase
+    if missing == 'f_T':
+        assert cli(['--output', str(out), '--methods', 'random_pm'] + TINY_TRAIN) == 0
+        assert (out / 'report.md').is_file() and not ft.exists()

@@ -168,9 +168,61 @@ def _begin_phase(args, folder: str, settings: Dict[str, Any]) -> None:
         write_settings(os.path.join(folder, SETTINGS_FILE), settings)
 
 
+class MissingPhaseOutputError(SettingsChangedError):
+    """A phase marked done (``done.json``) lacks an output file that a later phase of this run reads: a rerun cannot
+    reuse it as it is (exit status 2, as for a changed setting)."""
+
+
+def _ft_checkpoint(folder: str) -> str:
+    """f_T's weights, as the search reads them: ``best.safetensors`` in the ``random_pm`` phase folder that trained
+    them (the folder itself, not the path its ``done.json`` recorded, so a study moved elsewhere still finds them)."""
+    return os.path.join(folder, 'best.safetensors')
+
+
+def _check_finished_inputs(args, seed: int) -> List[str]:
+    """Check the files that a finished phase made and a later phase of this run reads (f_T's checkpoint, read by the
+    search; the search's mask table, read by the guided model) before any phase runs: one that exists is compared
+    with the reading phase's record, as when that phase starts (:class:`SettingsChangedError`); for one that is
+    gone, a paragraph naming the file, the phase marked done without it and what to do."""
+    if 'guided_pm' not in args.methods:
+        return []
+    root = os.path.join(args.output, f'seed{seed}')
+    folders = {name: os.path.join(root, name) for name in ('random_pm', 'search', 'guided_pm')}
+
+    def made_from(names):
+        return [folders[n] for n in names if os.path.isdir(folders[n]) and os.listdir(folders[n])]
+
+    def paragraph(phase, what, path, reader, later):
+        folder = folders[phase]
+        later = made_from(later)
+        also = f' (and {" and ".join(later)}, made from it)' if later else ''
+        return (f'cannot reuse {folder}: its done.json marks phase {phase} (seed {seed}) as finished, but {what} '
+                f'{path} is missing, and phase {reader} reads it. Nothing was written. Restore {path} (a '
+                f'study copied elsewhere needs its .safetensors and masks.json files), or delete {folder}{also} to '
+                f'run {"them" if later else "it"} again.')
+
+    problems = []
+    if _done(folders['random_pm']):
+        checkpoint = _ft_checkpoint(folders['random_pm'])
+        if not os.path.isfile(checkpoint):
+            problems.append(paragraph('random_pm', "f_T's checkpoint", checkpoint, 'search', ['search', 'guided_pm']))
+        else:
+            _check_phase(args, folders['search'], _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
+    table = os.path.join(folders['search'], 'masks.json')
+    if _done(folders['search']):
+        if not os.path.isfile(table):
+            problems.append(paragraph('search', 'its mask table', table, 'guided_pm', ['guided_pm']))
+        else:
+            _check_phase(args, folders['guided_pm'], _phase_settings(args, seed, _guided_settings(args, table)))
+    return problems
+
+
 def _check_all_phases(args) -> None:
     """Compare every phase folder this run would reuse with its settings before any phase runs, so a refused rerun
-    writes nothing. Files that earlier phases make (f_T, the table) are compared when their phase starts."""
+    writes nothing. Files that earlier phases make (f_T, the table) are compared by content here when those phases
+    are finished (and again when the phase reading them starts); a finished phase that lacks such a file raises
+    :class:`MissingPhaseOutputError`."""
+    missing = []
     for seed in args.seeds:
         root = os.path.join(args.output, f'seed{seed}')
         names = [m for m in ('base', 'mixup', 'cutmix') if m in args.methods]
@@ -181,6 +233,9 @@ def _check_all_phases(args) -> None:
         for name in names:
             _check_phase(args, os.path.join(root, name),
                          _phase_settings(args, seed, _guided_settings(args) if name == 'guided_pm' else None))
+        missing += _check_finished_inputs(args, seed)
+    if missing:
+        raise MissingPhaseOutputError('\n'.join(missing))
 
 
 def _done(folder: str) -> bool:
@@ -484,7 +539,7 @@ def main(argv=None, *, on_train_step=None) -> str:
             if 'random_pm' in args.methods:
                 results.append(ft)
         if 'guided_pm' in args.methods:
-            table = _search(args, seed, os.path.join(ft['output'], 'best.safetensors'))
+            table = _search(args, seed, _ft_checkpoint(os.path.join(args.output, f'seed{seed}', 'random_pm')))
             search_dir = os.path.dirname(table)
             guided = _guided_settings(args, table)  # checked before the samples are drawn from the table
             _check_phase(args, os.path.join(args.output, f'seed{seed}', 'guided_pm'),
