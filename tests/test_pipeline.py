@@ -11,6 +11,7 @@ import timm_patchmix  # noqa: F401
 from timm_patchmix.guided import MaskTable
 from timm_patchmix.holdout import Holdout, index_hash
 from timm_patchmix.pipeline import main as pipeline_main
+from test_resume_settings import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # the tree first
@@ -169,17 +170,6 @@ def test_every_budget_parses_into_train_and_search_configs(budget, tmp_path):
         assert scfg.amp and scfg.channels_last and (scfg.population, scfg.generations) == (500, 250)
 
 
-def _snapshot(folder):
-    """Every file under ``folder`` with its bytes and modification time."""
-    out = {}
-    for d, _, files in os.walk(folder):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, 'rb') as fh:
-                out[os.path.relpath(p, folder)] = (fh.read(), os.stat(p).st_mtime_ns)
-    return out
-
-
 def _finished_phases(out, argv):
     """A pipeline folder whose f_T, search and guided phases are marked done, as a run with ``argv`` leaves them (the
     files stand in for the real ones: only their presence and content are compared); the f_T checkpoint and the
@@ -218,7 +208,7 @@ def test_rerun_refuses_a_finished_phase_without_its_output(tmp_path, capsys, mis
     ft, table = _finished_phases(out, argv)
     gone = {'f_T': ft, 'table': table}[missing]
     gone.unlink()
-    before = _snapshot(out)
+    before = snapshot(out)
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert 'Traceback' not in err and err.startswith('error: ')
@@ -227,7 +217,7 @@ def test_rerun_refuses_a_finished_phase_without_its_output(tmp_path, capsys, mis
     assert str(gone) in msg and str(out / 'seed0' / phase) in msg and 'done.json' in msg
     assert 'Restore' in msg and f'delete {out / "seed0" / phase}' in msg
     assert str(out / 'seed0' / reader) in msg  # the phase made from the missing file, to delete with it
-    assert _snapshot(out) == before  # nothing written: no report, no guided samples, no settings
+    assert snapshot(out) == before  # nothing written: no report, no guided samples, no settings
     # a run that does not need the missing file still reuses the finished phase
     if missing == 'f_T':
         assert cli(['--output', str(out), '--methods', 'random_pm'] + TINY_TRAIN) == 0
