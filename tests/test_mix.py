@@ -457,7 +457,7 @@ def test_cached_constants_survive_inference_mode_and_caller_edits():
 @pytest.mark.parametrize('mode', ['elem', 'batch'])
 def test_cycle_modes_never_pair_a_sample_with_itself(mode):
     """elem and batch draw partners along one random cycle, which has no fixed point for two or more samples, so
-    they skip the self-partner fix-up; a batch of one is still unmixed with lam 1."""
+    the sampler needs no self-partner fix-up; a batch of one is still unmixed with lam 1."""
     mixer = PatchMix(grid=4, mode=mode, num_classes=3)
     for n in range(2, 30):
         p = mixer.sample(n, generator=torch.Generator().manual_seed(n))

@@ -347,10 +347,11 @@ class PatchMix:
             pair_mask = self._masks(npair, rows, cols, generator, gdev)
             mask = torch.ones(batch_size, rows, cols, dtype=torch.bool, device=gdev)
             mask[a], mask[b] = pair_mask, pair_mask
-        # a sample partnered with itself (batch of one, odd one out) is unmixed, so its lam is 1; a random cycle
-        # over two or more samples has no fixed point, so elem and batch skip these three ops
-        if self.mode == 'pair' or batch_size < 2:
-            mask |= (partner == torch.arange(batch_size, device=gdev)).view(-1, 1, 1)
+        # a sample partnered with itself is unmixed, so its lam is 1. Only a batch of one has such a sample in elem
+        # and batch mode (a random cycle over two or more has no fixed point); pair mode's odd one out already has
+        # an all-keep mask. So no per-sample check is needed, and none is dispatched.
+        if batch_size == 1:
+            mask.fill_(True)
         return PatchMixParams(partner.to(device), mask.to(device))
 
     def _check_image(self, x: torch.Tensor) -> None:
