@@ -25,23 +25,11 @@ import time
 
 import torch
 from timm.data import Mixup
-from torch.utils._python_dispatch import TorchDispatchMode  # call counting only; no result depends on it
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix.mix as mix  # noqa: E402
+from bench_models import op_count  # noqa: E402  (the script beside this one; call counting only)
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-
-
-class _Calls(TorchDispatchMode):
-    """Records the name of every aten call that reaches dispatch, views included."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -64,12 +52,7 @@ def main() -> None:
     for fn in cases.values():  # warm-up, and any one-time constants built
         fn()
         fn()
-    calls = {}
-    for k, fn in cases.items():
-        counter = _Calls()
-        with counter:
-            fn()
-        calls[k] = counter.calls
+    calls = {k: op_count(fn, every_call=True) for k, fn in cases.items()}
     samples = {k: [] for k in cases}
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every case alike
         for k, fn in cases.items():

@@ -33,22 +33,25 @@ from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 
 
 class _OpCount(TorchDispatchMode):
-    """Counts the aten ops that reach the kernels (views and allocations left out)."""
+    """Records the aten ops that reach the kernels (views and allocations left out), or with ``every_call`` every
+    aten call that reaches dispatch, views included (each costs host time)."""
     SKIP = {'detach', 'empty', 'empty_strided', 'empty_like', 'lift_fresh', '_unsafe_view'}
 
-    def __init__(self):
+    def __init__(self, every_call: bool = False):
         super().__init__()
+        self.every_call = every_call
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in self.SKIP:
+        if self.every_call or (not func.is_view and name not in self.SKIP):
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
 
-def op_count(fn) -> list:
-    counter = _OpCount()
+def op_count(fn, every_call: bool = False) -> list:
+    """The names of the aten ops one call of ``fn`` dispatches (see :class:`_OpCount`)."""
+    counter = _OpCount(every_call)
     with counter:
         fn()
     return counter.ops

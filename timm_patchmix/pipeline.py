@@ -179,6 +179,11 @@ def _ft_checkpoint(folder: str) -> str:
     return os.path.join(folder, 'best.safetensors')
 
 
+def _search_table(folder: str) -> str:
+    """The mask table the search phase in ``folder`` writes and the guided phase reads."""
+    return os.path.join(folder, 'masks.json')
+
+
 def _check_finished_inputs(args, seed: int) -> List[str]:
     """Check the files that a finished phase made and a later phase of this run reads (f_T's checkpoint, read by the
     search; the search's mask table, read by the guided model) before any phase runs: one that exists is compared
@@ -208,7 +213,7 @@ def _check_finished_inputs(args, seed: int) -> List[str]:
             problems.append(paragraph('random_pm', "f_T's checkpoint", checkpoint, 'search', ['search', 'guided_pm']))
         else:
             _check_phase(args, folders['search'], _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
-    table = os.path.join(folders['search'], 'masks.json')
+    table = _search_table(folders['search'])
     if _done(folders['search']):
         if not os.path.isfile(table):
             problems.append(paragraph('search', 'its mask table', table, 'guided_pm', ['guided_pm']))
@@ -302,7 +307,7 @@ def run_record(name: str, seed: int, folder: str, res) -> Dict[str, Any]:
 def _search(args, seed: int, checkpoint: str) -> str:
     from .search import parse_config, search
     folder = os.path.join(args.output, f'seed{seed}', 'search')
-    table = os.path.join(folder, 'masks.json')
+    table = _search_table(folder)
     _begin_phase(args, folder, _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
     if _done(folder):
         return table
