@@ -4,8 +4,14 @@
 
 Tensor mixer: PatchMix 'elem' on float32 [128, 3, 224, 224] against the copy floor ``buf.copy_(x)`` (one read and one
 write of the batch into a preallocated buffer) and timm ``Mixup(mixup_alpha=0, cutmix_alpha=1)`` in 'batch' and
-'elem' modes. Collate mixer: ``FastCollatePatchMix`` on 256 uint8 [3, 224, 224] images against timm's
-``fast_collate`` and ``FastCollateMixup`` (CutMix, 'elem').
+'elem' modes. With ``--compile``, also ``torch.compile(PatchMix)`` (compiled once before timing), to see whether
+fused kernels lift the host-bound mixer on an accelerator.
+
+Collate mixer: ``FastCollatePatchMix`` on 256 uint8 [3, 224, 224] images against timm's ``fast_collate`` and
+``FastCollateMixup`` (CutMix, 'elem'), plus ``FastCollatePatchMix.stack`` (the same collate without mixing), so that
+the mixing share is the difference. It runs twice: with torch's threads as they are (a loader with
+``num_workers=0`` collates in the main process like this) and with one thread, which is how a DataLoader worker
+runs every ``collate_fn`` (torch sets one thread in each worker), saved as ``collate_worker``.
 """
 from __future__ import annotations
 
@@ -47,6 +53,24 @@ def run(cases: dict, repeats: int, sync) -> dict:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def profile(fn, device, calls: int = 10, rows: int = 15) -> str:
+    """torch.profiler's table of the top ``rows`` ops over ``calls`` calls of ``fn`` (after a warm-up call), by
+    self device time on an accelerator and self CPU time on the CPU; printed and returned."""
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    fn()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == 'cuda':
+            torch.cuda.synchronize()
+    key = 'self_device_time_total' if device.type == 'cuda' else 'self_cpu_time_total'
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    print(f'profile of {calls} calls, by {key}:')
+    print(table)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--repeats', type=int, default=21)
@@ -55,6 +79,10 @@ def main() -> None:
     parser.add_argument('--collate-batch', type=int, default=256)
     parser.add_argument('--size', type=int, default=224)
     parser.add_argument('--skip-collate', action='store_true')
+    parser.add_argument('--compile', action='store_true', help='also time torch.compile(PatchMix) (compiled first)')
+    parser.add_argument('--profile', action='store_true',
+                        help='also profile 10 calls of the PatchMix and timm batch CutMix tensor cases; the tables '
+                             'of their top ops by self device time (self CPU time on the CPU) go into the JSON')
     parser.add_argument('--json', default=None, help='where to save the results (default: print only)')
     args = parser.parse_args()
 
@@ -68,12 +96,20 @@ def main() -> None:
     pm = PatchMix(grid=4, mode='elem', num_classes=1000)
     cut_batch = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
     cut_elem = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=1000)
-    tensor = run({
+    cases = {
         'copy_floor': lambda: buf.copy_(x),
         'patchmix_elem': lambda: pm(x, y),
         'timm_cutmix_batch': lambda: cut_batch(x, y),
         'timm_cutmix_elem': lambda: cut_elem(x, y),
-    }, args.repeats, sync)
+    }
+    if args.compile:
+        compiled = torch.compile(pm)
+        t0 = time.perf_counter()
+        compiled(x, y)
+        sync()
+        print(f'torch.compile(PatchMix): first call (compilation) {time.perf_counter() - t0:.1f} s')
+        cases['patchmix_elem_compiled'] = lambda: compiled(x, y)
+    tensor = run(cases, args.repeats, sync)
     floor = tensor['copy_floor']
     result = {
         'device': str(device), 'torch': torch.__version__, 'threads': torch.get_num_threads(),
@@ -84,7 +120,10 @@ def main() -> None:
     }
     print(f'tensor mixer, float32 {n}x3x{s}x{s} on {device} (median of {args.repeats}):')
     for k, v in tensor.items():
-        print(f'  {k:20s} {v:8.2f} ms  {v / floor:5.2f}x copy floor')
+        print(f'  {k:24s} {v:8.2f} ms  {v / floor:5.2f}x copy floor')
+
+    if args.profile:
+        result['profile'] = {k: profile(cases[k], device) for k in ('patchmix_elem', 'timm_cutmix_batch')}
 
     if not args.skip_collate:
         rng = np.random.default_rng(0)
@@ -93,17 +132,26 @@ def main() -> None:
         batch = [(imgs[i], int(rng.integers(0, 1000))) for i in range(m)]
         fcm = FastCollateMixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=1000)
         fcp = FastCollatePatchMix(grid=4, mode='elem', num_classes=1000)
-        coll = run({
+        collate_cases = {
             'fast_collate': lambda: fast_collate(batch),
             'patchmix_collate': lambda: fcp(batch),
+            'patchmix_stack': lambda: fcp.stack(batch),  # the same collate without mixing
             'timm_cutmix_collate_elem': lambda: fcm(batch),
-        }, args.repeats, lambda: None)
-        base = coll['fast_collate']
-        result['collate'] = {'shape': [m, 3, s, s], 'median_ms': coll,
-                             'ratio_to_fast_collate': {k: v / base for k, v in coll.items()}}
-        print(f'collate mixer, {m} uint8 3x{s}x{s} images (median of {args.repeats}):')
-        for k, v in coll.items():
-            print(f'  {k:26s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
+        }
+        threads = torch.get_num_threads()
+        for key, nthreads in (('collate', threads), ('collate_worker', 1)):
+            torch.set_num_threads(nthreads)
+            try:
+                coll = run(collate_cases, args.repeats, lambda: None)
+            finally:
+                torch.set_num_threads(threads)
+            base = coll['fast_collate']
+            result[key] = {'shape': [m, 3, s, s], 'threads': nthreads, 'median_ms': coll,
+                           'mixing_ms': coll['patchmix_collate'] - coll['patchmix_stack'],
+                           'ratio_to_fast_collate': {k: v / base for k, v in coll.items()}}
+            print(f'collate mixer, {m} uint8 3x{s}x{s} images, {nthreads} torch thread(s) (median of {args.repeats}):')
+            for k, v in coll.items():
+                print(f'  {k:26s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
 
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=1))

@@ -322,12 +322,15 @@ def test_select_path_equals_cell_path(b, h, w, rows, cols, seed, dtype, channels
     ref = reference_mix(x, partner, mask)[0]
     a = mix_cells_(x.clone(), partner, mask)
     s = mix_select_(x.clone(), partner, mask)
-    assert torch.equal(a, ref) and torch.equal(s, ref)
+    f = mix_cells_(x.clone(), partner, mask, fresh=True)  # numpy's segment views where they exist
+    assert torch.equal(a, ref) and torch.equal(s, ref) and torch.equal(f, ref)
     src = torch.cat([x, x.flip(0)])
     far = partner + b  # every partner lies outside the batch
     a = mix_cells_(x.clone(), far, mask, src)
     s = mix_select_(x.clone(), far, mask, src)
-    assert torch.equal(a, s) and torch.equal(a, reference_mix(src, torch.cat([far, far]), torch.cat([mask, mask]))[0][:b])
+    f = mix_cells_(x.clone(), far, mask, src, fresh=True)
+    assert torch.equal(a, s) and torch.equal(a, f)
+    assert torch.equal(a, reference_mix(src, torch.cat([far, far]), torch.cat([mask, mask]))[0][:b])
 
 
 @pytest.mark.parametrize('dtype, bits', [(torch.float32, torch.int32), (torch.float64, torch.int64),
@@ -345,7 +348,10 @@ def test_mixing_is_bitwise_for_every_float_pattern(dtype, bits, offset):
     mixer = PatchMix(num_classes=2)
     params = mixer.sample(6, generator=g)
     expect = reference_mix(x.view(bits).clone(), params.partner, params.mask)[0]
+    fresh = raw.clone().view(dtype).view(6, 3, 16, 32 + offset)[..., offset:]  # the same strided layout
     out, _ = mixer.apply(x, torch.zeros(6, dtype=torch.long), params)
+    assert torch.equal(out.view(bits), expect)
+    out, _ = mixer.apply(fresh, torch.zeros(6, dtype=torch.long), params, fresh=True)
     assert torch.equal(out.view(bits), expect)
 
 
@@ -464,3 +470,38 @@ def test_cycle_modes_never_pair_a_sample_with_itself(mode):
         assert not (p.partner == torch.arange(n)).any()
     one = mixer.sample(1, generator=torch.Generator().manual_seed(0))
     assert one.partner.tolist() == [0] and one.mask.all()
+
+
+def test_fresh_tensors_take_the_numpy_segment_path_only_where_it_exists(monkeypatch):
+    """``fresh=True`` writes through numpy's segment views exactly where they exist (a CPU tensor with
+    contiguous rows, equal cell widths, no grad), in or out of inference mode, and gives the torch path's
+    pixels; everywhere else the torch path runs whatever ``fresh`` says."""
+    import timm_patchmix.mix as mix
+    taken = []
+    real = mix._mix_segments
+    monkeypatch.setattr(mix, '_mix_segments', lambda *a: taken.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+
+    def check(x, fresh, expect_numpy, grid=4):
+        taken.clear()
+        mixer = PatchMix(grid=grid, num_classes=2)
+        params = mixer.sample(x.shape[0], generator=g)
+        ref = reference_mix(x.detach().clone(), params.partner, params.mask)[0]
+        out, _ = mixer.apply(x, torch.zeros(x.shape[0], dtype=torch.long), params, fresh=fresh)
+        assert torch.equal(out, ref)
+        assert bool(taken) == expect_numpy
+
+    img = torch.randint(0, 255, (5, 3, 18, 20), generator=g, dtype=torch.uint8)
+    check(img.clone(), True, True)
+    check(img.clone(), False, False)
+    check(img.float(), True, True)
+    check(img.to(torch.bfloat16), True, True)                  # no numpy dtype: moved as raw bytes
+    check(img.clone(), True, True, grid=(4, 5))                # rows of unequal heights (18 / 4)
+    check(img.clone(), True, False, grid=(3, 3))               # columns of unequal widths (20 / 3)
+    check(img.float().contiguous(memory_format=torch.channels_last), True, False)
+    check(img[:, :, :, 2:18].clone()[..., ::1], True, True)
+    check(img.clone()[:, :, :, ::2], True, False)              # rows with a step
+    with torch.inference_mode():
+        check(img.clone(), True, True)
+    with pytest.raises(RuntimeError, match='leaf Variable that requires grad'):
+        check(img.float().requires_grad_(), True, False)       # the torch path's own refusal, not a silent write

@@ -82,8 +82,8 @@ class FastCollatePatchMix(FastCollateMixup):
 
     def apply(self, batch: Sequence[Tuple[object, object]], params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
         """Collate ``batch`` into a new uint8 batch and mix it in place with ``params``."""
-        images, target = self.stack(batch)
-        return self.mixer.apply(images, target, params)
+        images, target = self.stack(batch)  # a new batch that nothing else has seen yet
+        return self.mixer.apply(images, target, params, fresh=True)
 
     def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.apply(batch, self.sample(len(batch)))
@@ -107,4 +107,4 @@ class FastCollateGuidedPatchMix(FastCollatePatchMix):
 
     def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
         images, target = self.stack(batch)
-        return self.guided(images, target)
+        return self.guided(images, target, fresh=True)

@@ -199,10 +199,10 @@ class GuidedPatchMix:
                              f'got min {int(labels.min())} and max {int(labels.max())}')
         return labels
 
-    def __call__(self, x: torch.Tensor, target: torch.Tensor,
-                 generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, target: torch.Tensor, generator: Optional[torch.Generator] = None, *,
+                 fresh: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Mix ``x [B, C, H, W]`` with class-index ``target [B]`` in place, as ``PatchMix`` does; returns
-        ``(x, packed_target)``."""
+        ``(x, packed_target)``. ``fresh`` is :meth:`PatchMix.apply`'s."""
         self.mixer._check_image(x)
         params, guided, extra = self.sample(target, generator=generator)
         source = None
@@ -213,7 +213,7 @@ class GuidedPatchMix:
         self.memory.update(x, target)  # the clean images, before x is mixed
         # params made here, valid by construction: _apply skips the value checks that read them back
         src_x, src_t = (None, None) if source is None else source
-        mixed, packed = self.mixer._apply(x, target, params.to(x.device), src_x, src_t)
+        mixed, packed = self.mixer._apply(x, target, params.to(x.device), src_x, src_t, fresh=fresh)
         n_guided = int(guided.sum())
         n_clean = int((params.mask.flatten(1).all(1) & ~guided).sum())
         self.last_counts = {'guided': n_guided, 'clean': n_clean, 'random': len(guided) - n_guided - n_clean}

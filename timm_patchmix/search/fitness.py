@@ -9,6 +9,7 @@ and every gene is forwarded once in the whole search.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Dict, Tuple
 
 import numpy as np
@@ -112,7 +113,7 @@ class GeneScorer:
         dev = self.images.device
         rows, cols = self.grid
         # the mixer's own in-place functions, chosen for the device as PatchMix.apply chooses
-        mix_ = mix_select_ if dev.type == 'cuda' else mix_cells_
+        mix_ = mix_select_ if dev.type == 'cuda' else partial(mix_cells_, fresh=True)
         per = max(1, self.batch_size // self.k)
         pair_t = torch.as_tensor(pair, dtype=torch.long)
         mask_t = torch.as_tensor(mask, dtype=torch.long)
@@ -121,7 +122,7 @@ class GeneScorer:
             g = len(gp)
             keep_k = bits_to_mask(gm, rows, cols).repeat_interleave(self.k, 0).to(dev)  # [g*K, R, C]
             ia, ib = self.a_idx[gp].reshape(-1).to(dev), self.b_idx[gp].reshape(-1).to(dev)
-            # a copy of the first images (indexing copies), their dropped cells taken from the second ones
+            # a copy of the first images (indexing copies: a fresh tensor), their dropped cells taken from the second
             x = mix_(self.images[ia], ib, keep_k, source=self.images)
             if self.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
