@@ -9,7 +9,8 @@ fused kernels lift the host-bound mixer on an accelerator.
 
 Collate mixer: ``FastCollatePatchMix`` on 256 uint8 [3, 224, 224] images against timm's ``fast_collate`` and
 ``FastCollateMixup`` (CutMix, 'elem'), plus ``FastCollatePatchMix.stack`` (the same collate without mixing), so that
-the mixing share is the difference. It runs twice: with torch's threads as they are (a loader with
+the mixing share is the difference, and the same collate mixed by the torch per-cell path instead of numpy's segment
+views (``patchmix_collate_torch_cells``). It runs twice: with torch's threads as they are (a loader with
 ``num_workers=0`` collates in the main process like this) and with one thread, which is how a DataLoader worker
 runs every ``collate_fn`` (torch sets one thread in each worker), saved as ``collate_worker``.
 """
@@ -136,6 +137,8 @@ def main() -> None:
             'fast_collate': lambda: fast_collate(batch),
             'patchmix_collate': lambda: fcp(batch),
             'patchmix_stack': lambda: fcp.stack(batch),  # the same collate without mixing
+            # the same collate mixed by the torch per-cell path (what a tensor that is not fresh gets)
+            'patchmix_collate_torch_cells': lambda: fcp.mixer.apply(*fcp.stack(batch), fcp.sample(m)),
             'timm_cutmix_collate_elem': lambda: fcm(batch),
         }
         threads = torch.get_num_threads()
@@ -151,7 +154,7 @@ def main() -> None:
                            'ratio_to_fast_collate': {k: v / base for k, v in coll.items()}}
             print(f'collate mixer, {m} uint8 3x{s}x{s} images, {nthreads} torch thread(s) (median of {args.repeats}):')
             for k, v in coll.items():
-                print(f'  {k:26s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
+                print(f'  {k:28s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
 
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=1))

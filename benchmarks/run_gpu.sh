@@ -2,8 +2,9 @@
 # Everything that needs a GPU, in two parts sized for a short lease. Results go to $OUT when set (a remote run),
 # else benchmarks/results (speed) and output/gpu_study (study).
 #
-#   bash benchmarks/run_gpu.sh speed         # ~4 min: CUDA tests (sync-free mixer and step), mixer, patch head and
-#                                            #   --device-data benchmarks, JSON per benchmark
+#   bash benchmarks/run_gpu.sh speed         # ~5 min: CUDA tests (sync-free mixer and step), mixer (with a profile
+#                                            #   and a torch.compile case), patch head and --device-data
+#                                            #   benchmarks, JSON per benchmark
 #   EPOCHS=6 bash benchmarks/run_gpu.sh study  # the full-data Fashion-MNIST study, pipeline --budget gpu, 3 seeds
 #
 # Preparation on a machine with pip (the GPU machine reaches no registry):
@@ -32,7 +33,7 @@ FM=${FMNIST:-data/fmnist}
 if [ "$PART" = speed ]; then
     timeout 100 python3 -m pytest -q -rfE tests/test_cuda.py -p no:cacheprovider >"$R/cuda_tests.log" 2>&1
     tail -25 "$R/cuda_tests.log"
-    timeout 45 python3 benchmarks/bench_mix.py --device cuda --json "$R/mix_cuda.json"
+    timeout 60 python3 benchmarks/bench_mix.py --device cuda --profile --json "$R/mix_cuda.json"
     timeout 30 python3 benchmarks/bench_mix_host.py --device cuda --repeats 200 --json "$R/mix_host_cuda.json"
     timeout 90 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
         --imagenet-batch 128 --repeats 20 --import-repeats 1 --json "$R/models_cuda.json"
@@ -40,6 +41,8 @@ if [ "$PART" = speed ]; then
         --batch-size 512 --amp --channels-last -j 8 --json "$R/device_data_cuda.json"
     timeout 130 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
         --batch-size 512 --amp --channels-last --compile --skip-loader --json "$R/device_data_cuda_compile.json"
+    # last, as it may take a while to compile: does torch.compile lift the host-bound tensor mixer?
+    timeout 120 python3 benchmarks/bench_mix.py --device cuda --compile --skip-collate --json "$R/mix_cuda_compile.json"
 elif [ "$PART" = study ]; then
     S=output/gpu_study
     EPOCHS=${EPOCHS:-6}
