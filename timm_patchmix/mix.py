@@ -218,8 +218,7 @@ def _segment_arrays(x: torch.Tensor, src: torch.Tensor, cols: int):
     on the CPU, a tensor that requires grad, a row that is not contiguous, or cells of unequal widths."""
     w = x.shape[-1]
     for t in (x, src):
-        if (t.device.type != 'cpu' or t.requires_grad or t.is_complex() or t.is_conj() or t.is_neg()
-                or (w > 1 and t.stride(-1) != 1)):
+        if t.device.type != 'cpu' or t.requires_grad or t.is_complex() or t.is_neg() or t.stride(-1) != 1:
             return None
     if w % cols or src.dtype != x.dtype:
         return None
