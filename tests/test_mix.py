@@ -505,3 +505,43 @@ def test_fresh_tensors_take_the_numpy_segment_path_only_where_it_exists(monkeypa
         check(img.clone(), True, True)
     with pytest.raises(RuntimeError, match='leaf Variable that requires grad'):
         check(img.float().requires_grad_(), True, False)       # the torch path's own refusal, not a silent write
+
+
+@pytest.mark.parametrize('accelerator_branch', [False, True])
+def test_compiled_mixer_keeps_the_semantics(monkeypatch, accelerator_branch):
+    """``torch.compile`` (dynamo and AOT autograd) of whole mixer calls, sampling included, on the CPU's per-cell
+    branch and on the accelerator's select branch: x is mixed in place, each cell is its own image's or the one
+    partner's, the packed target says which (labels, keep mask, lam by area), and every call draws anew."""
+    import timm_patchmix.mix as mix
+    from timm_patchmix.mix import _unpack
+    if accelerator_branch:
+        monkeypatch.setattr(mix, '_per_cell', lambda dev: False)
+    torch._dynamo.reset()
+    b, h, w = 6, 18, 20  # rows of unequal heights (4, 5, 4, 5)
+    labels = torch.tensor([3, 1, 4, 1, 5, 9])
+    mixer = PatchMix(grid=4, num_classes=10)
+    compiled = torch.compile(mixer, backend='aot_eager')
+    rb, cb = cell_bounds(h, 4), cell_bounds(w, 4)
+    areas = cell_areas(h, w, 4)
+    seen = []
+    for _ in range(2):
+        x = torch.arange(b, dtype=torch.float32).view(b, 1, 1, 1).expand(b, 3, h, w).clone()  # image i is all i
+        out, packed = compiled(x, labels)
+        assert torch.equal(out, x)  # in place
+        _, lam, y_self, y_partner, keep = _unpack(packed, 4)
+        for i in range(b):
+            src = torch.tensor([[float(x[i, 0, rb[r], cb[c]]) for c in range(4)] for r in range(4)])
+            for r in range(4):
+                for c in range(4):
+                    assert (x[i, :, rb[r]:rb[r + 1], cb[c]:cb[c + 1]] == src[r, c]).all()
+            kept = src == i
+            partners = set(src[~kept].long().tolist())
+            assert len(partners) <= 1
+            p = partners.pop() if partners else i
+            assert torch.equal(keep[i], kept.flatten())
+            assert torch.equal(y_self[i], one_hot(labels[i:i + 1], 10)[0])
+            if not kept.all():
+                assert torch.equal(y_partner[i], one_hot(labels[p:p + 1], 10)[0])
+            assert float(lam[i]) == pytest.approx(float((areas * kept).sum() / (h * w)), abs=1e-7)
+        seen.append(keep.clone())
+    assert not torch.equal(seen[0], seen[1])  # the draws are not baked into the compiled graph
