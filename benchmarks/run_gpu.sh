@@ -31,6 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 FM=${FMNIST:-data/fmnist}
 
 if [ "$PART" = speed ]; then
+    # eight files under $R, the most that come back from a lease: add a result only in place of another
     timeout 100 python3 -m pytest -q -rfE tests/test_cuda.py -p no:cacheprovider >"$R/cuda_tests.log" 2>&1
     tail -25 "$R/cuda_tests.log"
     timeout 60 python3 benchmarks/bench_mix.py --device cuda --profile --json "$R/mix_cuda.json"
