@@ -7,7 +7,8 @@ kernel launch, or a view's bookkeeping) costs host time whatever the tensor's si
 part on the CPU, where no GPU is needed: it runs PatchMix's accelerator branch (the one select on a pixel mask that
 ``PatchMix`` takes on every device but the CPU) on a tiny float32 batch [128, 3, 8, 8], so that the arithmetic is
 negligible, and counts the aten calls of one call (views included) with a dispatch mode. timm's
-``Mixup(cutmix_alpha=1, mode='batch')`` runs beside it on the same tensors. With ``--device cuda`` it runs on the
+``Mixup(cutmix_alpha=1, mode='batch')`` runs beside it on the same tensors. Both run again with label smoothing
+0.1 (the ``_ls0.1`` cases), as timm's training defaults set it. With ``--device cuda`` it runs on the
 GPU as is (no branch forced) and times with a synchronize after each call.
 
 On the CPU the labels are range-checked on the host (``soft_target``), which adds four calls (``min``, ``max`` and
@@ -49,6 +50,11 @@ def main() -> None:
              for m in mix.MIX_MODES}
     cut = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
     cases['timm_cutmix_batch'] = lambda: cut(x, y)
+    # with label smoothing 0.1, as timm's training defaults (train.py's `timm` recipe) set it
+    pm_ls = mix.PatchMix(grid=4, mode='elem', num_classes=1000, label_smoothing=0.1)
+    cut_ls = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.1, num_classes=1000)
+    cases['patchmix_elem_ls0.1'] = lambda: pm_ls(x, y)
+    cases['timm_cutmix_batch_ls0.1'] = lambda: cut_ls(x, y)
     for fn in cases.values():  # warm-up, and any one-time constants built
         fn()
         fn()
@@ -65,8 +71,9 @@ def main() -> None:
     base = med['timm_cutmix_batch']
     print(f'host cost per mixer call, float32 128x3x8x8 on {device}, median of {args.repeats}:')
     for k in cases:
-        print(f'  {k:18s} {len(calls[k]):3d} aten calls  {med[k]:7.0f} us  {med[k] / base:5.2f}x timm batch CutMix')
-    print('  patchmix_elem calls:', ' '.join(calls['patchmix_elem']))
+        print(f'  {k:23s} {len(calls[k]):3d} aten calls  {med[k]:7.0f} us  {med[k] / base:5.2f}x timm batch CutMix')
+    for k in ('patchmix_elem', 'patchmix_elem_ls0.1'):
+        print(f'  {k} calls:', ' '.join(calls[k]))
     if args.json:
         result = {'device': str(device), 'torch': torch.__version__, 'shape': [128, 3, 8, 8],
                   'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),

@@ -1,5 +1,6 @@
 """Exact semantics of the PatchMix tensor mixer: pixels, labels, lambda, modes, dtypes and errors."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -519,14 +520,19 @@ def test_compiled_mixer_keeps_the_semantics(monkeypatch, accelerator_branch):
     torch._dynamo.reset()
     b, h, w = 6, 18, 20  # rows of unequal heights (4, 5, 4, 5)
     labels = torch.tensor([3, 1, 4, 1, 5, 9])
-    mixer = PatchMix(grid=4, num_classes=10)
+    mixer = PatchMix(grid=4, num_classes=10, label_smoothing=0.1)
     compiled = torch.compile(mixer, backend='aot_eager')
     rb, cb = cell_bounds(h, 4), cell_bounds(w, 4)
     areas = cell_areas(h, w, 4)
     seen = []
     for _ in range(2):
         x = torch.arange(b, dtype=torch.float32).view(b, 1, 1, 1).expand(b, 3, h, w).clone()  # image i is all i
-        out, packed = compiled(x, labels)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            out, packed = compiled(x, labels)
+        # the accelerator branch's constants (pixel-to-cell map, header, smoothed one-hot values) are not traced
+        # through a cache, so dynamo has nothing to warn about; the CPU branch's cell bounds still are
+        assert not (accelerator_branch and [str(m.message) for m in caught if 'lru_cache' in str(m.message)])
         assert torch.equal(out, x)  # in place
         _, lam, y_self, y_partner, keep = _unpack(packed, 4)
         for i in range(b):
@@ -539,9 +545,24 @@ def test_compiled_mixer_keeps_the_semantics(monkeypatch, accelerator_branch):
             assert len(partners) <= 1
             p = partners.pop() if partners else i
             assert torch.equal(keep[i], kept.flatten())
-            assert torch.equal(y_self[i], one_hot(labels[i:i + 1], 10)[0])
+            assert torch.equal(y_self[i], one_hot(labels[i:i + 1], 10, 0.1)[0])
             if not kept.all():
-                assert torch.equal(y_partner[i], one_hot(labels[p:p + 1], 10)[0])
+                assert torch.equal(y_partner[i], one_hot(labels[p:p + 1], 10, 0.1)[0])
             assert float(lam[i]) == pytest.approx(float((areas * kept).sum() / (h * w)), abs=1e-7)
         seen.append(keep.clone())
     assert not torch.equal(seen[0], seen[1])  # the draws are not baked into the compiled graph
+
+
+@pytest.mark.parametrize('smoothing', [0.0, 0.01, 0.1, 0.123456789, 1 / 3, 0.9])
+@pytest.mark.parametrize('num_classes', [2, 3, 7, 10, 100, 1000, 21843])
+def test_smoothed_labels_are_the_formula_of_their_one_hot_rows_bit_for_bit(smoothing, num_classes):
+    """Class indices become smoothed rows by a fill and a scatter of two precomputed values, no arithmetic on the
+    device; those rows equal ``one_hot * (1 - s) + s / C`` computed by torch in float32, the formula that soft
+    rows get, bit for bit."""
+    from timm_patchmix.mix import soft_target
+    y = torch.arange(num_classes).roll(1)
+    rows = soft_target(y, num_classes, smoothing)
+    formula = one_hot(y, num_classes) * (1.0 - smoothing) + smoothing / num_classes
+    assert rows.dtype == torch.float32 and torch.equal(rows, formula)
+    assert torch.equal(soft_target(one_hot(y, num_classes), num_classes, smoothing), formula)
+    assert torch.equal(soft_target(y[:0], num_classes, smoothing), formula[:0])

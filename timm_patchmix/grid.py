@@ -133,7 +133,9 @@ def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Te
     depends on the data and nothing crosses from the host, so an accelerator never waits.
     """
     b, rows, cols = mask.shape
-    idx = _pixel_cells(height, width, rows, cols, mask.device)
+    # torch.compile traces the uncached function into its graph: the same tensor, without a traced cache
+    build = _pixel_cells.__wrapped__ if torch.compiler.is_compiling() else _pixel_cells
+    idx = build(height, width, rows, cols, mask.device)
     return mask.reshape(b, rows * cols).index_select(1, idx).view(b, height, width)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -95,8 +95,11 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
             raise ValueError(
                 f'target labels must lie in [0, {num_classes}) for num_classes={num_classes}, '
                 f'got min {int(target.min())} and max {int(target.max())}')
-        out = torch.zeros((target.shape[0], num_classes), dtype=torch.float32, device=device)
-        out.scatter_(1, target.to(device=device, dtype=torch.long).view(-1, 1), 1.0)
+        # the smoothed one-hot row in two kernels, fill and scatter: its two values are the floats that the
+        # formula below gives a one-hot row's 0 and 1, so indices and their one-hot rows still agree bit for bit
+        off, on = _one_hot_values(float(smoothing), num_classes) if smoothing else (0.0, 1.0)
+        out = torch.full((target.shape[0], num_classes), off, dtype=torch.float32, device=device)
+        return out.scatter_(1, target.to(device=device, dtype=torch.long).view(-1, 1), on)
     elif target.ndim == 2:
         if target.shape[1] != num_classes:
             raise ValueError(
@@ -104,17 +107,35 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
         out = target.to(device=device, dtype=torch.float32)
     else:
         raise ValueError(f'target must be class indices [B] or a [B, C] soft target, got shape {list(target.shape)}')
-    # one formula for indices and soft rows, so a label and its one-hot row smooth to identical floats
+    # the formula whose values _one_hot_values gives for indices, so a label and its one-hot row smooth alike
     if smoothing:
         out = out * (1.0 - smoothing) + smoothing / num_classes
     return out
+
+
+_ONE_HOT_VALUES: Dict[Tuple[float, int], Tuple[float, float]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _one_hot_values(smoothing: float, num_classes: int) -> Tuple[float, float]:
+    """``(off, on)``: what ``row * (1 - s) + s / C`` gives a one-hot row's 0 and 1 entries in float32. torch
+    casts each scalar to float32 and rounds the product and the sum to float32, and numpy's float32 scalars
+    round alike, so these are the same floats on every device. Plain floats, kept per key (a plain dict, not
+    ``lru_cache``, so that a compiled caller takes the result as a constant without tracing the cache)."""
+    key = (smoothing, num_classes)
+    values = _ONE_HOT_VALUES.get(key)
+    if values is None:
+        scale, shift = np.float32(1.0 - smoothing), np.float32(smoothing / num_classes)
+        values = _ONE_HOT_VALUES[key] = (float(np.float32(0.0) * scale + shift), float(np.float32(1.0) * scale + shift))
+    return values
 
 
 def pack_target(y_self: torch.Tensor, y_partner: torch.Tensor, lam: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Pack label rows ``[B, C]``, ``lam [B]`` and keep mask ``[B, rows, cols]`` into one float32 tensor."""
     b, rows, cols = mask.shape
     lam = lam.to(device=y_self.device, dtype=torch.float32).view(b, 1)
-    return torch.cat([_header(rows, cols, y_self.device).expand(b, 2), lam, y_self, y_partner,
+    header = (_header.__wrapped__ if torch.compiler.is_compiling() else _header)(rows, cols, y_self.device)
+    return torch.cat([header.expand(b, 2), lam, y_self, y_partner,
                       mask.reshape(b, rows * cols).to(device=y_self.device, dtype=torch.float32)], dim=1)
 
 
