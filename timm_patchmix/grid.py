@@ -126,6 +126,13 @@ def _pixel_cells(height: int, width: int, rows: int, cols: int, device: torch.de
         return (ri[:, None] * cols + ci[None, :]).reshape(-1)
 
 
+def cached_constant(fn, *args):
+    """``fn(*args)`` for an ``lru_cache`` function ``fn`` that makes a constant tensor: from its cache in eager
+    code, and built in the graph (the wrapped function, the same tensor) while ``torch.compile`` traces, so
+    that dynamo does not trace a cache."""
+    return (fn.__wrapped__ if torch.compiler.is_compiling() else fn)(*args)
+
+
 def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Cell masks ``[B, rows, cols]`` -> pixel masks ``[B, H, W]`` on the cells of :func:`cell_bounds`.
 
@@ -133,9 +140,7 @@ def cell_mask_to_pixels(mask: torch.Tensor, height: int, width: int) -> torch.Te
     depends on the data and nothing crosses from the host, so an accelerator never waits.
     """
     b, rows, cols = mask.shape
-    # torch.compile traces the uncached function into its graph: the same tensor, without a traced cache
-    build = _pixel_cells.__wrapped__ if torch.compiler.is_compiling() else _pixel_cells
-    idx = build(height, width, rows, cols, mask.device)
+    idx = cached_constant(_pixel_cells, height, width, rows, cols, mask.device)
     return mask.reshape(b, rows * cols).index_select(1, idx).view(b, height, width)
 
 

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .grid import GridSpec, cell_areas, cell_bounds, cell_mask_to_pixels, check_grid_fits, to_grid
+from .grid import GridSpec, cached_constant, cell_areas, cell_bounds, cell_mask_to_pixels, check_grid_fits, to_grid
 
 __all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_',
            'mix_select_', 'MIX_MODES']
@@ -118,15 +118,15 @@ _ONE_HOT_VALUES: Dict[Tuple[float, int], Tuple[float, float]] = {}
 
 @torch.compiler.assume_constant_result
 def _one_hot_values(smoothing: float, num_classes: int) -> Tuple[float, float]:
-    """``(off, on)``: what ``row * (1 - s) + s / C`` gives a one-hot row's 0 and 1 entries in float32. torch
-    casts each scalar to float32 and rounds the product and the sum to float32, and numpy's float32 scalars
-    round alike, so these are the same floats on every device. Plain floats, kept per key (a plain dict, not
-    ``lru_cache``, so that a compiled caller takes the result as a constant without tracing the cache)."""
+    """``(off, on)``: the float32 values of a one-hot row's 0 and 1 after smoothing, made by the formula of
+    :func:`soft_target` itself on a float32 pair on the CPU. The formula rounds its product and its sum to float32
+    on every device, so these are the values it gives there too. Kept per key in a plain dict, not ``lru_cache``,
+    so that a compiled caller takes them as constants without tracing a cache."""
     key = (smoothing, num_classes)
     values = _ONE_HOT_VALUES.get(key)
     if values is None:
-        scale, shift = np.float32(1.0 - smoothing), np.float32(smoothing / num_classes)
-        values = _ONE_HOT_VALUES[key] = (float(np.float32(0.0) * scale + shift), float(np.float32(1.0) * scale + shift))
+        pair = torch.tensor([0.0, 1.0], dtype=torch.float32) * (1.0 - smoothing) + smoothing / num_classes
+        values = _ONE_HOT_VALUES[key] = tuple(pair.tolist())
     return values
 
 
@@ -134,8 +134,7 @@ def pack_target(y_self: torch.Tensor, y_partner: torch.Tensor, lam: torch.Tensor
     """Pack label rows ``[B, C]``, ``lam [B]`` and keep mask ``[B, rows, cols]`` into one float32 tensor."""
     b, rows, cols = mask.shape
     lam = lam.to(device=y_self.device, dtype=torch.float32).view(b, 1)
-    header = (_header.__wrapped__ if torch.compiler.is_compiling() else _header)(rows, cols, y_self.device)
-    return torch.cat([header.expand(b, 2), lam, y_self, y_partner,
+    return torch.cat([cached_constant(_header, rows, cols, y_self.device).expand(b, 2), lam, y_self, y_partner,
                       mask.reshape(b, rows * cols).to(device=y_self.device, dtype=torch.float32)], dim=1)
 
 
