@@ -1,6 +1,7 @@
 """The mixer's host cost per call: aten calls dispatched and host time, against timm's batch-mode CutMix.
 
-    python benchmarks/bench_mix_host.py [--repeats 300] [--json benchmarks/results/mix_host_cpu.json]
+    python benchmarks/bench_mix_host.py [--repeats 300] [--num-classes 1000] \
+        [--json benchmarks/results/mix_host_cpu.json]
 
 At the sizes a GPU trains on, a mixer call is bound by the host, not by memory: every dispatched aten call (a
 kernel launch, or a view's bookkeeping) costs host time whatever the tensor's size. This benchmark measures that
@@ -37,6 +38,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--repeats', type=int, default=300)
     p.add_argument('--device', default='cpu')
+    p.add_argument('--num-classes', type=int, default=1000,
+                   help='label width; on the CPU the label rows cost kernel time at 1000, little at 10')
     p.add_argument('--json', default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -45,14 +48,14 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     torch.manual_seed(0)
     x = torch.randn(128, 3, 8, 8, device=device)
-    y = torch.randint(0, 1000, (128,), device=device)
-    cases = {f'patchmix_{m}': (lambda m=m: mix.PatchMix(grid=4, mode=m, num_classes=1000)(x, y))
+    y = torch.randint(0, args.num_classes, (128,), device=device)
+    cases = {f'patchmix_{m}': (lambda m=m: mix.PatchMix(grid=4, mode=m, num_classes=args.num_classes)(x, y))
              for m in mix.MIX_MODES}
-    cut = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
+    cut = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=args.num_classes)
     cases['timm_cutmix_batch'] = lambda: cut(x, y)
     # with label smoothing 0.1, as timm's training defaults (train.py's `timm` recipe) set it
-    pm_ls = mix.PatchMix(grid=4, mode='elem', num_classes=1000, label_smoothing=0.1)
-    cut_ls = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.1, num_classes=1000)
+    pm_ls = mix.PatchMix(grid=4, mode='elem', num_classes=args.num_classes, label_smoothing=0.1)
+    cut_ls = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.1, num_classes=args.num_classes)
     cases['patchmix_elem_ls0.1'] = lambda: pm_ls(x, y)
     cases['timm_cutmix_batch_ls0.1'] = lambda: cut_ls(x, y)
     for fn in cases.values():  # warm-up, and any one-time constants built
@@ -77,7 +80,8 @@ def main() -> None:
     if args.json:
         result = {'device': str(device), 'torch': torch.__version__, 'shape': [128, 3, 8, 8],
                   'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),
-                  'repeats': args.repeats, 'median_us': med, 'aten_calls': {k: len(v) for k, v in calls.items()},
+                  'repeats': args.repeats, 'num_classes': args.num_classes, 'median_us': med,
+                  'aten_calls': {k: len(v) for k, v in calls.items()},
                   'calls': calls}
         atomic_write_text(args.json, json.dumps(result, indent=1))
         print(f'saved {args.json}')
