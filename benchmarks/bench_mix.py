@@ -13,6 +13,14 @@ the mixing share is the difference, and the same collate mixed by the torch per-
 views (``patchmix_collate_torch_cells``). It runs twice: with torch's threads as they are (a loader with
 ``num_workers=0`` collates in the main process like this) and with one thread, which is how a DataLoader worker
 runs every ``collate_fn`` (torch sets one thread in each worker), saved as ``collate_worker``.
+
+Collate mixer in a DataLoader (``collate_loader``, skipped with ``--loader-workers 0``): the same three collates as
+``collate_fn`` of real DataLoaders with ``--loader-workers`` persistent workers over an in-memory dataset of uint8
+[3, 224, 224] arrays, batch 256, timed in the main process per batch received (one epoch of ``--loader-batches``
+batches per timing, the loaders taking turns). This is the cost a training loop sees: a worker also sends its batch
+to the main process through shared memory, and a batch in private memory is copied there first.
+``patchmix_collate_private`` is ``FastCollatePatchMix`` made to build its batch in private memory in the worker too,
+as it did before it stacked straight into shared memory there.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from timm.data import FastCollateMixup, Mixup
 from timm.data.loader import fast_collate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
+import timm_patchmix.collate as collate_module  # noqa: E402
 from timm_patchmix import FastCollatePatchMix, PatchMix  # noqa: E402
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
 
@@ -51,6 +60,49 @@ def run(cases: dict, repeats: int, sync) -> dict:
     for _ in range(repeats):
         for k, fn in cases.items():
             samples[k].append(timed(fn, sync) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+class _Images(torch.utils.data.Dataset):
+    """``n`` samples ``(uint8 [3, s, s] array, label)`` drawn from 64 fixed random images."""
+
+    def __init__(self, n: int, s: int):
+        rng = np.random.default_rng(0)
+        self.images = [rng.integers(0, 256, (3, s, s), dtype=np.uint8) for _ in range(64)]
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.images[i % 64], i % 1000
+
+
+class _PrivateBatch:
+    """``FastCollatePatchMix`` building its batch in private memory even in a worker. It switches the worker check
+    off in the process it runs in, which is its own loader's worker process alone."""
+
+    def __init__(self, fcp: FastCollatePatchMix):
+        self.fcp = fcp
+
+    def __call__(self, batch):
+        collate_module.get_worker_info = lambda: None
+        return self.fcp(batch)
+
+
+def run_loaders(collates: dict, workers: int, batch_size: int, batches: int, s: int, repeats: int) -> dict:
+    """Median ms per batch received from a DataLoader per collate, the loaders taking turns epoch by epoch."""
+    loaders = {k: torch.utils.data.DataLoader(_Images(batch_size * batches, s), batch_size=batch_size,
+                                              num_workers=workers, collate_fn=c, persistent_workers=True)
+               for k, c in collates.items()}
+    samples = {k: [] for k in collates}
+    for rep in range(repeats + 1):  # the first round starts the workers and is not counted
+        for k, loader in loaders.items():
+            t0 = time.perf_counter()
+            for _ in loader:
+                pass
+            if rep:
+                samples[k].append((time.perf_counter() - t0) / batches * 1e3)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -84,6 +136,10 @@ def main() -> None:
     parser.add_argument('--profile', action='store_true',
                         help='also profile 10 calls of the PatchMix and timm batch CutMix tensor cases; the tables '
                              'of their top ops by self device time (self CPU time on the CPU) go into the JSON')
+    parser.add_argument('--loader-workers', type=int, default=1,
+                        help='DataLoader workers of the collate_loader cases (0: skip them)')
+    parser.add_argument('--loader-batches', type=int, default=8, help='batches per timed loader epoch')
+    parser.add_argument('--loader-repeats', type=int, default=7, help='timed epochs per loader')
     parser.add_argument('--json', default=None, help='where to save the results (default: print only)')
     args = parser.parse_args()
 
@@ -153,6 +209,19 @@ def main() -> None:
                            'mixing_ms': coll['patchmix_collate'] - coll['patchmix_stack'],
                            'ratio_to_fast_collate': {k: v / base for k, v in coll.items()}}
             print(f'collate mixer, {m} uint8 3x{s}x{s} images, {nthreads} torch thread(s) (median of {args.repeats}):')
+            for k, v in coll.items():
+                print(f'  {k:28s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
+        if args.loader_workers > 0:
+            collates = {'fast_collate': fast_collate, 'patchmix_collate': fcp,
+                        'patchmix_collate_private': _PrivateBatch(fcp), 'timm_cutmix_collate_elem': fcm}
+            coll = run_loaders(collates, args.loader_workers, m, args.loader_batches, s, args.loader_repeats)
+            base = coll['fast_collate']
+            result['collate_loader'] = {'shape': [m, 3, s, s], 'workers': args.loader_workers,
+                                        'batches_per_epoch': args.loader_batches, 'repeats': args.loader_repeats,
+                                        'median_ms_per_batch': coll,
+                                        'ratio_to_fast_collate': {k: v / base for k, v in coll.items()}}
+            print(f'collate mixer in a DataLoader, {args.loader_workers} worker(s), batches of {m} uint8 3x{s}x{s} '
+                  f'(median of {args.loader_repeats} epochs of {args.loader_batches} batches):')
             for k, v in coll.items():
                 print(f'  {k:28s} {v:8.2f} ms  {v / base:5.2f}x fast_collate')
 

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from timm.data import FastCollateMixup
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 from .grid import GridSpec
 from .mix import PatchMix, PatchMixParams
@@ -63,9 +63,7 @@ class FastCollatePatchMix(FastCollateMixup):
         shape = tuple(getattr(first, 'shape', ()))
         if len(shape) != 3:
             raise ValueError(f'collate expects CHW images, got an image of shape {list(shape)}')
-        # a new array on every call; numpy asks the kernel for transparent huge pages for large arrays, which makes
-        # the first touch of a fresh batch several times cheaper than 4 KiB pages (torch.empty's)
-        out = torch.from_numpy(np.empty((len(batch), *shape), dtype=np.uint8))
+        images = []
         for i, (img, _) in enumerate(batch):
             t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
             if not isinstance(t, torch.Tensor):
@@ -74,7 +72,18 @@ class FastCollatePatchMix(FastCollateMixup):
                 raise ValueError(f'collate expects uint8 images, got {t.dtype} at index {i}')
             if tuple(t.shape) != shape:
                 raise ValueError(f'image {i} has shape {list(t.shape)}, image 0 has {list(shape)}')
-            out[i].copy_(t)
+            images.append(t)
+        if get_worker_info() is not None:
+            # In a DataLoader worker the batch reaches the main process through shared memory. A private tensor
+            # is copied there when the worker sends it; default_collate stacks straight into a new
+            # shared-memory tensor instead, which spares that copy of the whole batch.
+            out = default_collate(images)
+        else:
+            # a new array on every call; numpy asks the kernel for transparent huge pages for large arrays, which
+            # makes the first touch of a fresh batch several times cheaper than 4 KiB pages (torch.empty's)
+            out = torch.from_numpy(np.empty((len(batch), *shape), dtype=np.uint8))
+            for i, t in enumerate(images):
+                out[i].copy_(t)
         target = default_collate([b[1] for b in batch])
         if not isinstance(target, torch.Tensor):
             target = torch.as_tensor(target)
