@@ -21,6 +21,10 @@ batches per timing, the loaders taking turns). This is the cost a training loop 
 to the main process through shared memory, and a batch in private memory is copied there first.
 ``patchmix_collate_private`` is ``FastCollatePatchMix`` made to build its batch in private memory in the worker too,
 as it did before it stacked straight into shared memory there.
+
+``--no-thp`` switches transparent huge pages off for the benchmark's process and its workers (Linux
+``prctl(PR_SET_THP_DISABLE)``), to see the collates as on a host that gives none: there every new page of a fresh
+batch costs a 4 KiB fault, which numpy's large arrays otherwise largely avoid.
 """
 from __future__ import annotations
 
@@ -90,6 +94,23 @@ class _PrivateBatch:
         return self.fcp(batch)
 
 
+def _thp_setting() -> str:
+    try:
+        with open('/sys/kernel/mm/transparent_hugepage/enabled') as f:
+            return f.read().strip()
+    except OSError:
+        return 'unknown'
+
+
+def disable_thp() -> None:
+    """Switch transparent huge pages off for this process and the processes it forks (Linux)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_thp_disable, pr_get_thp_disable = 41, 42  # from <linux/prctl.h>
+    if libc.prctl(pr_set_thp_disable, 1, 0, 0, 0) != 0 or libc.prctl(pr_get_thp_disable, 0, 0, 0, 0) != 1:
+        raise OSError(ctypes.get_errno(), 'prctl(PR_SET_THP_DISABLE) failed: --no-thp needs Linux 3.15 or later')
+
+
 def run_loaders(collates: dict, workers: int, batch_size: int, batches: int, s: int, repeats: int) -> dict:
     """Median ms per batch received from a DataLoader per collate, the loaders taking turns epoch by epoch."""
     loaders = {k: torch.utils.data.DataLoader(_Images(batch_size * batches, s), batch_size=batch_size,
@@ -140,8 +161,12 @@ def main() -> None:
                         help='DataLoader workers of the collate_loader cases (0: skip them)')
     parser.add_argument('--loader-batches', type=int, default=8, help='batches per timed loader epoch')
     parser.add_argument('--loader-repeats', type=int, default=7, help='timed epochs per loader')
+    parser.add_argument('--no-thp', action='store_true',
+                        help='switch transparent huge pages off for this process and its workers (Linux)')
     parser.add_argument('--json', default=None, help='where to save the results (default: print only)')
     args = parser.parse_args()
+    if args.no_thp:
+        disable_thp()
 
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
@@ -172,6 +197,7 @@ def main() -> None:
         'device': str(device), 'torch': torch.__version__, 'threads': torch.get_num_threads(),
         'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),
         'machine': platform.processor() or platform.machine(), 'repeats': args.repeats,
+        'transparent_huge_pages': 'off (--no-thp)' if args.no_thp else _thp_setting(),
         'tensor': {'shape': [n, 3, s, s], 'median_ms': tensor,
                    'ratio_to_copy_floor': {k: v / floor for k, v in tensor.items()}},
     }
