@@ -73,7 +73,7 @@ class FastCollatePatchMix(FastCollateMixup):
             if tuple(t.shape) != shape:
                 raise ValueError(f'image {i} has shape {list(t.shape)}, image 0 has {list(shape)}')
             images.append(t)
-        if get_worker_info() is not None:
+        if get_worker_info() is not None and all(t.device.type == 'cpu' for t in images):
             # In a DataLoader worker the batch reaches the main process through shared memory. A private tensor
             # is copied there when the worker sends it; default_collate stacks straight into a new
             # shared-memory tensor instead, which spares that copy of the whole batch.
