@@ -22,7 +22,8 @@ class FastCollatePatchMix(FastCollateMixup):
     :class:`~timm_patchmix.PatchMix` applied to the same uint8 batch. Arguments are those of ``PatchMix``.
 
     Every call returns a new batch tensor, as timm's ``fast_collate`` does, and keeps nothing between calls: a
-    DataLoader worker hands its batch to the main process and never touches that memory again.
+    DataLoader worker hands its batch to the main process and never touches that memory again. In a worker the
+    batch is made in shared memory (as ``default_collate`` makes it there), so sending it copies nothing.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
