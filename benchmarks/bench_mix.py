@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix.collate as collate_module  # noqa: E402
 from timm_patchmix import FastCollatePatchMix, PatchMix  # noqa: E402
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+from timm_patchmix.cli_types import int_range  # noqa: E402
 
 
 def timed(fn, sync) -> float:
@@ -157,10 +158,10 @@ def main() -> None:
     parser.add_argument('--profile', action='store_true',
                         help='also profile 10 calls of the PatchMix and timm batch CutMix tensor cases; the tables '
                              'of their top ops by self device time (self CPU time on the CPU) go into the JSON')
-    parser.add_argument('--loader-workers', type=int, default=1,
+    parser.add_argument('--loader-workers', type=int_range(0), default=1,
                         help='DataLoader workers of the collate_loader cases (0: skip them)')
-    parser.add_argument('--loader-batches', type=int, default=8, help='batches per timed loader epoch')
-    parser.add_argument('--loader-repeats', type=int, default=7, help='timed epochs per loader')
+    parser.add_argument('--loader-batches', type=int_range(1), default=8, help='batches per timed loader epoch')
+    parser.add_argument('--loader-repeats', type=int_range(1), default=7, help='timed epochs per loader')
     parser.add_argument('--no-thp', action='store_true',
                         help='switch transparent huge pages off for this process and its workers (Linux)')
     parser.add_argument('--json', default=None, help='where to save the results (default: print only)')
