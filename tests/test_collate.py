@@ -1,4 +1,6 @@
 """FastCollatePatchMix equals the tensor mixer and plugs into timm's loader."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -78,26 +80,26 @@ def test_timm_create_loader_and_prefetcher_switch():
     assert (split_target(packed)[0].max(1).values == 1).all()
 
 
-class _CollateWithParams:
-    """Collate with fixed params; also report whether the batch was built in shared memory where it ran."""
+class _Reporting:
+    """A collate_fn that runs ``fn(batch) -> (images, packed)`` and also reports whether the batch was made in
+    shared memory and whether it ran in a DataLoader worker."""
 
-    def __init__(self, collate, params):
-        self.collate, self.params = collate, params
+    def __init__(self, fn):
+        self.fn = fn
 
     def __call__(self, batch):
-        images, packed = self.collate.apply(batch, self.params)
+        images, packed = self.fn(batch)
         return images, packed, images.is_shared(), torch.utils.data.get_worker_info() is not None
 
 
-@pytest.mark.parametrize('guided', [False, True])
-def test_collate_in_worker_stacks_into_shared_memory(guided):
+def test_collate_in_worker_stacks_into_shared_memory():
     """In a DataLoader worker the batch is stacked straight into shared memory (sending it then copies nothing);
     in the main process it is private. Pixels and targets are the same either way."""
     n = 8
     batch, imgs, _ = make_batch(n)
     collate = FastCollatePatchMix(grid=(4, 3), num_classes=7)
     params = collate.sample(n, generator=torch.Generator().manual_seed(3))
-    fn = _CollateWithParams(collate, params)
+    fn = _Reporting(functools.partial(collate.apply, params=params))
     ref_images, ref_packed, ref_shared, ref_worker = fn(batch)
     assert not ref_worker and not ref_shared
     assert (ref_images != torch.from_numpy(imgs)).any(), 'the params mix some cells'
@@ -106,22 +108,17 @@ def test_collate_in_worker_stacks_into_shared_memory(guided):
     images, packed, shared, in_worker = next(iter(loader))
     assert in_worker and shared
     assert torch.equal(images, ref_images) and torch.equal(packed, ref_packed)
-    if guided:
-        # the guided collate stacks the same way: its batch in a worker is shared too
-        rng = np.random.default_rng(0)
-        table = MaskTable((4, 3), 7, [str(c) for c in range(7)], 'fp', [(0, 1)], [rng.random((4, 3)) < 0.5],
-                          [0.1], 0.1)
-        gcollate = FastCollateGuidedPatchMix(table, num_classes=7)
-        loader = torch.utils.data.DataLoader(batch, batch_size=n, num_workers=1,
-                                             collate_fn=_SharedFlag(gcollate))
-        x, packed, shared = next(iter(loader))
-        assert shared and x.shape == (n, 3, 10, 13) and packed.shape[0] == n
 
 
-class _SharedFlag:
-    def __init__(self, collate):
-        self.collate = collate
-
-    def __call__(self, batch):
-        x, packed = self.collate(batch)
-        return x, packed, x.is_shared()
+def test_guided_collate_in_worker_stacks_into_shared_memory():
+    """The guided collate stacks the same way: private in the main process, shared in a worker."""
+    n = 8
+    batch, _, _ = make_batch(n)
+    rng = np.random.default_rng(0)
+    table = MaskTable((4, 3), 7, [str(c) for c in range(7)], 'fp', [(0, 1)], [rng.random((4, 3)) < 0.5], [0.1], 0.1)
+    fn = _Reporting(FastCollateGuidedPatchMix(table, num_classes=7))
+    _, _, ref_shared, ref_worker = fn(batch)
+    assert not ref_worker and not ref_shared
+    loader = torch.utils.data.DataLoader(batch, batch_size=n, num_workers=1, collate_fn=fn)
+    x, packed, shared, in_worker = next(iter(loader))
+    assert in_worker and shared and x.shape == (n, 3, 10, 13) and packed.shape[0] == n
