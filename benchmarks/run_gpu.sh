@@ -2,9 +2,10 @@
 # Everything that needs a GPU, in two parts sized for a short lease. Results go to $OUT when set (a remote run),
 # else benchmarks/results (speed) and output/gpu_study (study).
 #
-#   bash benchmarks/run_gpu.sh speed         # ~5 min: CUDA tests (sync-free mixer and step), mixer (with a profile
-#                                            #   and a torch.compile case), patch head and --device-data
-#                                            #   benchmarks, JSON per benchmark
+#   bash benchmarks/run_gpu.sh speed         # ~7 min: CUDA tests (sync-free mixer and step), mixer (with a profile,
+#                                            #   its parts and CUDA-graph prototypes, a torch.compile case), patch
+#                                            #   head and --device-data benchmarks, JSON per benchmark; on a lease
+#                                            #   all of them packed as $OUT/gpu_speed.tar.gz
 #   EPOCHS=6 bash benchmarks/run_gpu.sh study  # the full-data Fashion-MNIST study, pipeline --budget gpu, 3 seeds
 #
 # Preparation on a machine with pip (the GPU machine reaches no registry):
@@ -17,7 +18,12 @@
 # and carry data/fmnist and .whl with the run.
 set -u
 PART=${1:-speed}
-R=${OUT:-benchmarks/results}
+R=benchmarks/results
+if [ -n "${OUT:-}" ] && [ "$PART" = speed ]; then
+    # at most 8 files come back from a lease: every result goes into one archive, made however the script ends
+    R=/tmp/gpu_speed
+    trap 'tar czf "$OUT/gpu_speed.tar.gz" -C "$R" .' EXIT
+fi
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -31,24 +37,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 FM=${FMNIST:-data/fmnist}
 
 if [ "$PART" = speed ]; then
-    # eight files under $R, the most that come back from a lease: add a result only in place of another
     timeout 60 python3 -m pytest -q -rfE tests/test_cuda.py -p no:cacheprovider >"$R/cuda_tests.log" 2>&1
     tail -25 "$R/cuda_tests.log"
     # the collates also run in real DataLoaders (collate_loader); the JSON records the host's huge-page setting
-    timeout 120 python3 benchmarks/bench_mix.py --device cuda --profile --json "$R/mix_cuda.json"
+    timeout 110 python3 benchmarks/bench_mix.py --device cuda --profile --json "$R/mix_cuda.json" 2>&1 \
+        | tee "$R/mix_cuda.log"
+    # the tensor mixer taken apart: host against device time per part, and two CUDA-graph prototypes
+    timeout 60 python3 benchmarks/bench_mix_cuda.py --json "$R/mix_cuda_parts.json"
     timeout 30 python3 benchmarks/bench_mix_host.py --device cuda --repeats 200 --json "$R/mix_host_cuda.json"
-    timeout 90 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
+    timeout 80 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
         --imagenet-batch 128 --repeats 20 --import-repeats 1 --json "$R/models_cuda.json"
     # 11 repeats: the H100 run's 5 spread over about 20% in each case, as much as the effect it was to show
-    timeout 90 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
+    timeout 80 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
         --batch-size 512 --amp --channels-last -j 8 --repeats 11 --json "$R/device_data_cuda.json"
     # recompiles and graph breaks logged: the compiled device path ran slower than synthetic on the H100 (0.83);
     # on the CPU (embedded data, batch 64, with and without --amp --channels-last) the benchmark logs neither
-    TORCH_LOGS=recompiles,graph_breaks timeout 130 python3 benchmarks/bench_device_data.py --device cuda \
+    TORCH_LOGS=recompiles,graph_breaks timeout 90 python3 benchmarks/bench_device_data.py --device cuda \
         --dataset fashion_mnist --data-dir "$FM" --batch-size 512 --amp --channels-last --compile --skip-loader \
         --repeats 11 --json "$R/device_data_cuda_compile.json" 2>&1 | tee "$R/device_data_cuda_compile.log" | grep -v Warning
     # last, as it may take a while to compile: does torch.compile lift the host-bound tensor mixer?
-    timeout 120 python3 benchmarks/bench_mix.py --device cuda --compile --skip-collate --json "$R/mix_cuda_compile.json"
+    timeout 80 python3 benchmarks/bench_mix.py --device cuda --compile --skip-collate --json "$R/mix_cuda_compile.json"
 elif [ "$PART" = study ]; then
     S=output/gpu_study
     EPOCHS=${EPOCHS:-6}
