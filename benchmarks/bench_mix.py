@@ -4,8 +4,9 @@
 
 Tensor mixer: PatchMix 'elem' on float32 [128, 3, 224, 224] against the copy floor ``buf.copy_(x)`` (one read and one
 write of the batch into a preallocated buffer) and timm ``Mixup(mixup_alpha=0, cutmix_alpha=1)`` in 'batch' and
-'elem' modes. With ``--compile``, also ``torch.compile(PatchMix)`` (compiled once before timing), to see whether
-fused kernels lift the host-bound mixer on an accelerator.
+'elem' modes; on CUDA also PatchMix with ``cuda_graph=False`` (``patchmix_elem_eager_draw``: partners and masks
+drawn by eager kernels rather than by replaying a captured graph). With ``--compile``, also
+``torch.compile(PatchMix)`` (compiled once before timing; it draws eagerly inside the compiled code).
 
 Collate mixer: ``FastCollatePatchMix`` on 256 uint8 [3, 224, 224] images against timm's ``fast_collate`` and
 ``FastCollateMixup`` (CutMix, 'elem'), plus ``FastCollatePatchMix.stack`` (the same collate without mixing), so that
@@ -177,6 +178,7 @@ def main() -> None:
     y = torch.randint(0, 1000, (n,), device=device)
     buf = torch.empty_like(x)
     pm = PatchMix(grid=4, mode='elem', num_classes=1000)
+    pm_eager = PatchMix(grid=4, mode='elem', num_classes=1000, cuda_graph=False)
     cut_batch = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
     cut_elem = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=1000)
     cases = {
@@ -185,6 +187,8 @@ def main() -> None:
         'timm_cutmix_batch': lambda: cut_batch(x, y),
         'timm_cutmix_elem': lambda: cut_elem(x, y),
     }
+    if device.type == 'cuda':  # the draw without its captured CUDA graph (the same on every other device)
+        cases['patchmix_elem_eager_draw'] = lambda: pm_eager(x, y)
     if args.compile:
         compiled = torch.compile(pm)
         t0 = time.perf_counter()

@@ -10,7 +10,9 @@ part on the CPU, where no GPU is needed: it runs PatchMix's accelerator branch (
 negligible, and counts the aten calls of one call (views included) with a dispatch mode. timm's
 ``Mixup(cutmix_alpha=1, mode='batch')`` runs beside it on the same tensors. Both run again with label smoothing
 0.1 (the ``_ls0.1`` cases), as timm's training defaults set it. With ``--device cuda`` it runs on the
-GPU as is (no branch forced) and times with a synchronize after each call.
+GPU as is (no branch forced) and times with a synchronize after each call; there the PatchMix cases draw their
+params by replaying a captured CUDA graph (whose kernels the aten count does not see), and
+``patchmix_elem_eager_draw`` is ``elem`` drawing them eagerly.
 
 On the CPU the labels are range-checked on the host (``soft_target``), which adds four calls (``min``, ``max`` and
 their two reads) that a GPU batch does not make.
@@ -52,6 +54,9 @@ def main() -> None:
     cases = {f'patchmix_{m}': (lambda m=m: mix.PatchMix(grid=4, mode=m, num_classes=args.num_classes)(x, y))
              for m in mix.MIX_MODES}
     cut = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=args.num_classes)
+    if device.type == 'cuda':  # the draw without its captured CUDA graph (the same on every other device)
+        eager = mix.PatchMix(grid=4, mode='elem', num_classes=args.num_classes, cuda_graph=False)
+        cases['patchmix_elem_eager_draw'] = lambda: eager(x, y)
     cases['timm_cutmix_batch'] = lambda: cut(x, y)
     # with label smoothing 0.1, as timm's training defaults (train.py's `timm` recipe) set it
     pm_ls = mix.PatchMix(grid=4, mode='elem', num_classes=args.num_classes, label_smoothing=0.1)

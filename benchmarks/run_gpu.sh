@@ -45,8 +45,8 @@ if [ "$PART" = speed ]; then
     # the tensor mixer taken apart: host against device time per part, and two CUDA-graph prototypes
     timeout 60 python3 benchmarks/bench_mix_cuda.py --json "$R/mix_cuda_parts.json"
     timeout 30 python3 benchmarks/bench_mix_host.py --device cuda --repeats 200 --json "$R/mix_host_cuda.json"
-    timeout 80 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
-        --imagenet-batch 128 --repeats 20 --import-repeats 1 --json "$R/models_cuda.json"
+    timeout 100 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
+        --imagenet-batch 128 --repeats 40 --import-repeats 1 --json "$R/models_cuda.json"
     # 11 repeats: the H100 run's 5 spread over about 20% in each case, as much as the effect it was to show
     timeout 80 python3 benchmarks/bench_device_data.py --device cuda --dataset fashion_mnist --data-dir "$FM" \
         --batch-size 512 --amp --channels-last -j 8 --repeats 11 --json "$R/device_data_cuda.json"

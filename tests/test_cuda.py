@@ -2,13 +2,15 @@
 
 Skipped where no GPU is present (CI); run on a GPU machine with ``python -m pytest tests/test_cuda.py``.
 """
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
 import timm
 import timm_patchmix  # noqa: F401
-from timm_patchmix import PatchMix
+from timm_patchmix import PatchMix, PatchMixParams
 from timm_patchmix.search.fitness import GeneScorer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
@@ -53,6 +55,93 @@ def test_mixer_never_waits_for_the_host(mode, prob):
     params = mixer.sample(16, generator=torch.Generator('cuda').manual_seed(4))
     xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
     assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+
+
+def _draw_of(mixer, x):
+    """The captured draw of ``x``'s batch shape, and a copy of the params its last replay drew."""
+    b, _, h, w = x.shape
+    draw = mixer._graphs[(b, h, w, x.device, mixer.mode, mixer.prob, mixer.grid)]
+    assert draw is not None, 'the draw was not captured'
+    return draw, PatchMixParams(draw.partner.clone(), draw.mask.clone())
+
+
+@pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
+@pytest.mark.parametrize('prob', [1.0, 0.7])
+def test_graphed_draw_mixes_as_apply_does_with_its_params(mode, prob):
+    """``mixer(x, y)`` on CUDA replays a captured draw: each call gives, bit for bit, what the CPU's ``apply``
+    gives for the params that replay drew, and each replay draws anew. Capturing raises no warning (no fallback)."""
+    x = torch.randint(0, 255, (16, 3, 40, 36), device='cuda').float().contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (16,), device='cuda')
+    mixer = PatchMix(grid=4, mode=mode, prob=prob, num_classes=10, label_smoothing=0.1)
+    drawn = []
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for _ in range(3):
+            xg, tg = mixer(x.clone(), y)
+            _, params = _draw_of(mixer, x)
+            xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+            assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+            assert xg.is_contiguous(memory_format=torch.channels_last)
+            drawn.append(params)
+    assert len(mixer._graphs) == 1
+    assert not all(torch.equal(drawn[0].partner, p.partner) and torch.equal(drawn[0].mask, p.mask)
+                   for p in drawn[1:])
+
+
+def test_graphed_draw_replays_from_the_seed():
+    """Seeding the device replays the captured draws, the first call's (which captures) included: capturing
+    consumes no random numbers, and a replay advances the generator as far every time."""
+    x = torch.randn(12, 3, 32, 32, device='cuda')
+    y = torch.randint(0, 10, (12,), device='cuda')
+    mixer = PatchMix(num_classes=10)
+    runs, states = [], []
+    for _ in range(2):
+        torch.cuda.manual_seed(11)
+        runs.append([mixer(x.clone(), y) for _ in range(2)])
+        states.append(torch.cuda.get_rng_state())
+    for (xa, ta), (xb, tb) in zip(*runs):
+        assert torch.equal(xa, xb) and torch.equal(ta, tb)
+    assert torch.equal(states[0], states[1])
+    assert not torch.equal(runs[0][0][0], runs[0][1][0])
+
+
+def test_graphed_draw_across_streams_and_in_inference_mode():
+    """A capture inside ``inference_mode`` and calls on two streams in turn: every call's output is the CPU's
+    ``apply`` of the params its own replay drew (a replay waits for the kernels that read the last one)."""
+    x = torch.randint(0, 255, (16, 3, 36, 36), device='cuda').float()
+    y = torch.randint(0, 10, (16,), device='cuda')
+    mixer = PatchMix(num_classes=10)
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        for stream in (side, torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                xg, tg = mixer(x.clone(), y)
+                _, params = _draw_of(mixer, x)
+            torch.cuda.current_stream().wait_stream(stream)
+            xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+            assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+
+
+def test_eager_draw_where_no_graph_is_taken():
+    """``cuda_graph=False``, an explicit generator and shapes beyond the captured ones draw eagerly: the call is
+    ``apply(x, y, sample(...))`` from the same generator state."""
+    y = torch.randint(0, 10, (64,), device='cuda')
+    plain = PatchMix(num_classes=10, cuda_graph=False)
+    graphed = PatchMix(num_classes=10)
+    for b in range(2, 12):  # ten batch shapes: the first eight are captured, the last two draw eagerly
+        x = torch.randn(b, 3, 16, 16, device='cuda')
+        graphed(x.clone(), y[:b])
+        for mixer in ([plain, graphed] if b >= 10 else [plain]):
+            torch.cuda.manual_seed(b)
+            out = mixer(x.clone(), y[:b])
+            torch.cuda.manual_seed(b)
+            ref = mixer.apply(x.clone(), y[:b], mixer.sample(b, device='cuda'))
+            assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        gen_out = graphed(x.clone(), y[:b], generator=torch.Generator('cuda').manual_seed(1))
+        ref = graphed.apply(x.clone(), y[:b], graphed.sample(b, generator=torch.Generator('cuda').manual_seed(1)))
+        assert torch.equal(gen_out[0], ref[0]) and torch.equal(gen_out[1], ref[1])
+    assert plain._graphs == {} and len(graphed._graphs) == 8 and all(graphed._graphs.values())
 
 
 @pytest.mark.parametrize('size', [32, 56])  # 56: a 14x14 map, so the area-weighted (matmul) pooling runs

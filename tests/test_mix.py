@@ -275,10 +275,27 @@ def test_bad_inputs_raise_named_errors(call, message):
     (dict(), 'num_classes'), (dict(num_classes=0), 'num_classes'), (dict(num_classes=3, alpha=0), 'alpha'),
     (dict(num_classes=3, prob=1.5), 'prob'), (dict(num_classes=3, mode='half'), 'mode'),
     (dict(num_classes=3, label_smoothing=1.0), 'label_smoothing'), (dict(num_classes=3, grid=(4, 0)), 'grid'),
+    (dict(num_classes=3, cuda_graph=1), 'cuda_graph'),
 ])
 def test_bad_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PatchMix(**kwargs)
+
+
+def test_mixer_pickles_without_its_process_state():
+    """A mixer goes to DataLoader workers by pickle: its settings travel, its captured CUDA draws and their lock
+    (this process's) do not, and the copy mixes as the original does."""
+    import copy
+    import pickle
+    mixer = PatchMix(grid=(2, 3), mode='pair', prob=0.7, label_smoothing=0.1, num_classes=5, cuda_graph=False)
+    mixer._graphs[('a shape',)] = None  # stands for a captured draw, which is no more picklable than the lock
+    x, y = torch.rand(6, 3, 8, 9), torch.tensor([0, 1, 2, 3, 4, 0])
+    for other in (pickle.loads(pickle.dumps(mixer)), copy.deepcopy(mixer)):
+        assert repr(other) == repr(mixer) and other.cuda_graph is False and other._graphs == {}
+        assert other._graph_lock is not mixer._graph_lock and mixer._graphs  # the original keeps its own
+        a = mixer(x.clone(), y, generator=torch.Generator().manual_seed(2))
+        b = other(x.clone(), y, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_split_target_checks_grid_and_shape():

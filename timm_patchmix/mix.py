@@ -6,6 +6,9 @@ be replayed exactly and the guided mixer can apply masks of its own through the 
 from __future__ import annotations
 
 import math
+import threading
+import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, Optional, Tuple
@@ -13,7 +16,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .grid import GridSpec, cached_constant, cell_areas, cell_bounds, cell_mask_to_pixels, check_grid_fits, to_grid
+from .grid import (GridSpec, _pixel_cells, cached_constant, cell_areas, cell_bounds, cell_mask_to_pixels,
+                   check_grid_fits, to_grid)
 
 __all__ = ['PatchMixParams', 'PatchMix', 'pack_target', 'split_target', 'soft_target', 'mix_cells_',
            'mix_select_', 'MIX_MODES']
@@ -319,6 +323,94 @@ def _select(x: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor, source: O
     torch.where(pix.unsqueeze(1), x, src.index_select(0, partner), out=x)
 
 
+@lru_cache(maxsize=32)
+def _areas(height: int, width: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """:func:`cell_areas` as a read-only float64 constant on ``device``, built once per key outside autograd and
+    inference mode (see :func:`timm_patchmix.grid._pixel_cells`)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return cell_areas(height, width, (rows, cols), device)
+
+
+def _mask_parts(mask: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the accelerator branch derives from keep masks ``[B, rows, cols]`` alone: the pixel mask
+    ``[B, 1, H, W]`` of the select, the packed target's head ``[B, 3]`` (rows, cols, lam) and its keep columns
+    ``[B, rows * cols]`` as float32.
+
+    lam is the CPU branch's formula, kept pixels by cell area in float64 over ``H * W``: sums of integers, exact in
+    any order, so both branches give the same float32 lam bit for bit. Nothing here reads the images or the labels,
+    which is what lets :class:`PatchMix` draw a batch's params and these tensors in one captured CUDA graph."""
+    b, rows, cols = mask.shape
+    dev = mask.device
+    lam = (mask.to(torch.float64) * cached_constant(_areas, height, width, rows, cols, dev)).sum((1, 2))
+    head = torch.cat([cached_constant(_header, rows, cols, dev).expand(b, 2),
+                      (lam / (height * width)).to(torch.float32).view(b, 1)], dim=1)
+    pix = cell_mask_to_pixels(mask, height, width).unsqueeze(1)
+    return pix, head, mask.reshape(b, rows * cols).to(torch.float32)
+
+
+def _finish(x: torch.Tensor, y: torch.Tensor, y_src: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor,
+            head: torch.Tensor, keep: torch.Tensor,
+            source: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The accelerator branch's work on the batch itself, given :func:`_mask_parts`: one partner gather and one
+    per-pixel select into ``x``, and the packed target (the layout of :func:`pack_target`) in one ``cat``."""
+    src = x if source is None else source
+    torch.where(pix, x, src.index_select(0, partner), out=x)
+    # index_select rather than y_src[partner]: the same gather, without advanced indexing's host-side parsing
+    return x, torch.cat([head, y, y_src.index_select(0, partner), keep], dim=1)
+
+
+_MAX_DRAW_GRAPHS = 8  # captured draws kept per mixer (batch shapes, devices and settings); beyond, calls draw eagerly
+
+
+class _DrawGraph:
+    """One CUDA graph that draws a mixer's params for one batch shape on one device and derives from them what the
+    select and the packed target need (:func:`_mask_parts`). Every replay rewrites the same tensors, so a replay
+    must wait for the kernels that read the last one (``done``, recorded after them on their stream)."""
+    __slots__ = ('graph', 'partner', 'mask', 'pix', 'head', 'keep', 'done')
+
+    def __init__(self, graph, partner, mask, pix, head, keep):
+        self.graph, self.partner, self.mask, self.pix, self.head, self.keep = graph, partner, mask, pix, head, keep
+        self.done = torch.cuda.Event()
+
+
+def _capture_draw(mixer: 'PatchMix', batch_size: int, height: int, width: int, device: torch.device) -> _DrawGraph:
+    """Capture ``mixer.sample`` and :func:`_mask_parts` for ``[batch_size, *, height, width]`` batches on the CUDA
+    ``device`` (the current device), drawing from its default generator.
+
+    The draw is run once eagerly first, on the capture's side stream, so that lazy initialisation happens outside
+    the capture; the generator's state is restored afterwards, so capturing consumes no random numbers. Each replay
+    then draws anew: the default generator is registered with every capture, and a replay advances it as the
+    eager calls would. The constants the draw reads are built first on the current stream, outside the graph's
+    memory pool."""
+    rows, cols = mixer.grid
+    cached_constant(_pixel_cells, height, width, rows, cols, device)
+    cached_constant(_header, rows, cols, device)
+    cached_constant(_areas, height, width, rows, cols, device)
+
+    def draw():
+        params = mixer.sample(batch_size, device=device)
+        return (params.partner, params.mask, *_mask_parts(params.mask, height, width))
+
+    rng = torch.cuda.get_rng_state(device)
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side), torch.inference_mode(False), torch.no_grad():
+            draw()
+            # thread_local: other threads of the process may allocate meanwhile (a capture in 'global' mode fails)
+            graph.capture_begin(capture_error_mode='thread_local')
+            try:
+                out = draw()
+            finally:
+                graph.capture_end()
+    finally:
+        current.wait_stream(side)
+        torch.cuda.set_rng_state(rng, device)
+    return _DrawGraph(graph, *out)
+
+
 class PatchMix:
     """Random PatchMix, used where timm's ``Mixup`` is: ``x, target = mixer(x, target)``.
 
@@ -335,14 +427,25 @@ class PatchMix:
             pair mode) or ``'batch'`` (one mask for the whole batch).
         label_smoothing: smoothing applied alike to image and patch targets.
         num_classes: number of classes of the targets.
+        cuda_graph: on a CUDA batch, draw the params through a captured CUDA graph (below). ``False`` draws them
+            eagerly, as on every other device.
 
     Like timm's ``Mixup``, the batch is mixed **in place**: ``x`` itself is returned, holding the mixed images
-    (clone it first to keep the originals). No memory is kept between calls, so the mixer is safe wherever its
+    (clone it first to keep the originals). No batch data is kept between calls, so the mixer is safe wherever its
     output goes: DataLoader workers, pinned or shared memory, ``inference_mode``.
+
+    On a CUDA batch a call is bound by the host: a dozen small kernels to draw partners and masks, each costing a
+    launch. So ``mixer(x, target)`` draws them, with the pixel mask, lam and the target's keep columns, by replaying
+    a CUDA graph captured at the first call of each batch shape (up to eight per mixer), and launches only the
+    select and the labels' kernels itself. It draws from the device's default generator, as the eager draw does:
+    seeding replays a run. The captured draw gives a batch distributed as ``apply(x, target, sample(...))`` does,
+    but not necessarily the same batch for the same seed. An explicit ``generator``, ``torch.compile`` tracing,
+    a stream already capturing a graph, ``cuda_graph=False`` and a capture that fails (with a warning) all take
+    the eager draw. The first call of a shape synchronises with the device once, to capture.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
-                 label_smoothing: float = 0.0, num_classes: Optional[int] = None):
+                 label_smoothing: float = 0.0, num_classes: Optional[int] = None, cuda_graph: bool = True):
         self.grid = to_grid(grid)
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (alpha > 0 and math.isfinite(alpha)):
             raise ValueError(f'alpha must be a finite number > 0, got {alpha!r}')
@@ -354,6 +457,11 @@ class PatchMix:
             raise ValueError(f'label_smoothing must lie in [0, 1), got {label_smoothing!r}')
         if num_classes is None or isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f'num_classes must be a positive int, got {num_classes!r}')
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f'cuda_graph must be True or False, got {cuda_graph!r}')
+        self.cuda_graph = cuda_graph
+        self._graphs: Dict[tuple, Optional[_DrawGraph]] = {}
+        self._graph_lock = threading.Lock()
         self.alpha = float(alpha)
         self.prob = float(prob)
         self.mode = mode
@@ -364,6 +472,17 @@ class PatchMix:
     @property
     def num_cells(self) -> int:
         return self.grid[0] * self.grid[1]
+
+    def __getstate__(self) -> dict:
+        # captured graphs and the lock belong to this process (a pickled mixer goes to DataLoader workers)
+        state = self.__dict__.copy()
+        state['_graphs'] = {}
+        del state['_graph_lock']
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._graph_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(grid={self.grid}, alpha={self.alpha}, prob={self.prob}, mode={self.mode!r}, '
@@ -457,14 +576,11 @@ class PatchMix:
         partner = params.partner.to(x.device)
         mask = params.mask.to(x.device)
         source = None if src_x is None else src_x.to(x.device)
-        if _per_cell(x.device):
-            # per-cell copies of only the cells that change: fewer bytes, and a CPU pays nothing per kernel
-            mix_cells_(x, partner, mask, source, fresh=fresh)
-            lam = (mask.to(torch.float64) * cell_areas(h, w, self.grid)).sum((1, 2)) / (h * w)
-        else:
-            pix = cell_mask_to_pixels(mask, h, w)
-            _select(x, partner, pix, source)
-            lam = pix.sum((1, 2), dtype=torch.float64) / (h * w)  # the same exact pixel count as the CPU's areas
+        if not _per_cell(x.device):
+            return _finish(x, y, y_src, partner, *_mask_parts(mask, h, w), source)
+        # per-cell copies of only the cells that change: fewer bytes, and a CPU pays nothing per kernel
+        mix_cells_(x, partner, mask, source, fresh=fresh)
+        lam = (mask.to(torch.float64) * cell_areas(h, w, self.grid)).sum((1, 2)) / (h * w)
         # index_select rather than y_src[partner]: the same gather, without advanced indexing's host-side parsing
         # (and the CPU's index kernel is several times slower for rows of many classes)
         return x, pack_target(y, y_src.index_select(0, partner), lam, mask)
@@ -473,6 +589,42 @@ class PatchMix:
                  generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Sample params for ``x``'s batch on its device (or ``generator``'s), then apply them. The params are
         this mixer's own, so only their shapes need checking: on an accelerator the whole call runs without a
-        host synchronisation."""
+        host synchronisation (after a CUDA batch shape's first call, which captures its draw; see the class)."""
         self._check_image(x)
+        if (generator is None and x.is_cuda and self.cuda_graph and self.mixup_enabled and x.shape[0] > 0
+                and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()):
+            out = self._call_graphed(x, target)
+            if out is not None:
+                return out
         return self._apply(x, target, self.sample(x.shape[0], generator=generator, device=x.device))
+
+    def _draw_graph(self, key: tuple, b: int, h: int, w: int, device: torch.device) -> Optional[_DrawGraph]:
+        """The captured draw for ``key``, captured now if new; ``None`` where calls of ``key`` draw eagerly."""
+        if key in self._graphs:
+            return self._graphs[key]
+        if len(self._graphs) >= _MAX_DRAW_GRAPHS:
+            return None
+        try:
+            draw = _capture_draw(self, b, h, w, device)
+        except RuntimeError as e:
+            warnings.warn(f'PatchMix could not capture its draw for batches of {b}x{h}x{w} on {device} in a CUDA '
+                          f'graph, so it draws them eagerly: {e}')
+            draw = None
+        self._graphs[key] = draw
+        return draw
+
+    def _call_graphed(self, x: torch.Tensor, target: torch.Tensor):
+        b, _, h, w = x.shape
+        dev = x.device
+        y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=dev)
+        key = (b, h, w, dev, self.mode, self.prob, self.grid)
+        with self._graph_lock, (nullcontext() if dev.index == torch.cuda.current_device() else torch.cuda.device(dev)):
+            draw = self._draw_graph(key, b, h, w, dev)
+            if draw is None:
+                return None
+            stream = torch.cuda.current_stream()
+            stream.wait_event(draw.done)  # the last replay's readers, on whatever stream they ran
+            draw.graph.replay()
+            out = _finish(x, y, y, draw.partner, draw.pix, draw.head, draw.keep, None)
+            draw.done.record(stream)
+        return out
