@@ -51,8 +51,10 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(128, 3, 8, 8, device=device)
     y = torch.randint(0, args.num_classes, (128,), device=device)
-    cases = {f'patchmix_{m}': (lambda m=m: mix.PatchMix(grid=4, mode=m, num_classes=args.num_classes)(x, y))
-             for m in mix.MIX_MODES}
+    # one mixer per case, made once and called again and again, as a training loop does (on CUDA its first call
+    # of a batch shape captures the draw, in the warm-up below)
+    mixers = {m: mix.PatchMix(grid=4, mode=m, num_classes=args.num_classes) for m in mix.MIX_MODES}
+    cases = {f'patchmix_{m}': (lambda m=m: mixers[m](x, y)) for m in mix.MIX_MODES}
     cut = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=args.num_classes)
     if device.type == 'cuda':  # the draw without its captured CUDA graph (the same on every other device)
         eager = mix.PatchMix(grid=4, mode='elem', num_classes=args.num_classes, cuda_graph=False)
