@@ -441,7 +441,8 @@ class PatchMix:
     seeding replays a run. The captured draw gives a batch distributed as ``apply(x, target, sample(...))`` does,
     but not necessarily the same batch for the same seed. An explicit ``generator``, ``torch.compile`` tracing,
     a stream already capturing a graph, ``cuda_graph=False`` and a capture that fails (with a warning) all take
-    the eager draw. The first call of a shape synchronises with the device once, to capture.
+    the eager draw. The first call of a shape synchronises with the device once, to capture: make one mixer and
+    keep it, as with timm's ``Mixup``.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
