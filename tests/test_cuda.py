@@ -67,11 +67,12 @@ def _draw_of(mixer, x):
 
 @pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
 @pytest.mark.parametrize('prob', [1.0, 0.7])
-def test_graphed_draw_mixes_as_apply_does_with_its_params(mode, prob):
+@pytest.mark.parametrize('b', [16, 7, 1])
+def test_graphed_draw_mixes_as_apply_does_with_its_params(mode, prob, b):
     """``mixer(x, y)`` on CUDA replays a captured draw: each call gives, bit for bit, what the CPU's ``apply``
-    gives for the params that replay drew, and each replay draws anew. Capturing raises no warning (no fallback)."""
-    x = torch.randint(0, 255, (16, 3, 40, 36), device='cuda').float().contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (16,), device='cuda')
+    gives for the params that replay drew, and each replay draws anew (odd batches and a batch of one too)."""
+    x = torch.randint(0, 255, (b, 3, 40, 36), device='cuda').float().contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (b,), device='cuda')
     mixer = PatchMix(grid=4, mode=mode, prob=prob, num_classes=10, label_smoothing=0.1)
     drawn = []
     with warnings.catch_warnings():
@@ -84,8 +85,30 @@ def test_graphed_draw_mixes_as_apply_does_with_its_params(mode, prob):
             assert xg.is_contiguous(memory_format=torch.channels_last)
             drawn.append(params)
     assert len(mixer._graphs) == 1
-    assert not all(torch.equal(drawn[0].partner, p.partner) and torch.equal(drawn[0].mask, p.mask)
-                   for p in drawn[1:])
+    if b > 1:
+        assert not all(torch.equal(drawn[0].partner, p.partner) and torch.equal(drawn[0].mask, p.mask)
+                       for p in drawn[1:])
+    else:
+        assert drawn[0].mask.all() and drawn[0].partner.tolist() == [0]
+
+
+@pytest.mark.parametrize('mode', ['elem', 'pair', 'batch'])
+@pytest.mark.parametrize('prob', [1.0, 0.7])
+def test_graphed_draw_is_the_eager_draw_for_the_same_generator_state(mode, prob):
+    """From the same seed, the captured draw (its capturing call included) gives exactly the batches that
+    ``apply(x, y, sample(...))`` gives, call after call, and leaves the generator where the eager calls do."""
+    x = torch.randn(12, 3, 32, 32, device='cuda')
+    y = torch.randint(0, 10, (12,), device='cuda')
+    mixer = PatchMix(mode=mode, prob=prob, num_classes=10)
+    torch.cuda.manual_seed(11)
+    eager = [mixer.apply(x.clone(), y, mixer.sample(12, device='cuda')) for _ in range(3)]
+    eager_state = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(11)
+    graphed = [mixer(x.clone(), y) for _ in range(3)]
+    assert len(mixer._graphs) == 1 and torch.equal(torch.cuda.get_rng_state(), eager_state)
+    for (xe, te), (xg, tg) in zip(eager, graphed):
+        assert torch.equal(xe, xg) and torch.equal(te, tg)
+    assert not torch.equal(graphed[0][0], graphed[1][0])
 
 
 def test_graphed_draw_replays_from_the_seed():
@@ -105,22 +128,86 @@ def test_graphed_draw_replays_from_the_seed():
     assert not torch.equal(runs[0][0][0], runs[0][1][0])
 
 
-def test_graphed_draw_across_streams_and_in_inference_mode():
-    """A capture inside ``inference_mode`` and calls on two streams in turn: every call's output is the CPU's
-    ``apply`` of the params its own replay drew (a replay waits for the kernels that read the last one)."""
+def test_graphed_draw_waits_for_the_readers_of_the_last_one(monkeypatch):
+    """Two calls on two streams, issued back to back with nothing ordering the streams: the second call's replay
+    rewrites the graph's outputs, so it must wait until the first call's kernels have read them. The first call's
+    readers are held back on the device (a sleep kernel between copying its params and using them); each call's
+    output must still be the CPU's ``apply`` of its own params."""
+    import timm_patchmix.mix as mix
+    finish = mix._finish
+    seen = []
+
+    def slow_finish(x, y, y_src, partner, pix, head, keep, source):
+        seen.append(PatchMixParams(partner.clone(), (keep > 0.5).view(-1, 4, 4).clone()))
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of device time, enough for the other stream's replay
+        return finish(x, y, y_src, partner, pix, head, keep, source)
+
+    x = torch.randint(0, 255, (64, 3, 32, 32), device='cuda').float()
+    y = torch.randint(0, 10, (64,), device='cuda')
+    mixer = PatchMix(num_classes=10)
+    mixer(x.clone(), y)  # capture outside the timed part
+    inputs = [x.clone(), x.clone()]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    monkeypatch.setattr(mix, '_finish', slow_finish)
+    outs = []
+    for xi, s in zip(inputs, streams):
+        with torch.cuda.stream(s):
+            outs.append(mixer(xi, y))
+    torch.cuda.synchronize()
+    for (xg, tg), params in zip(outs, seen):
+        xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+        assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+    assert not torch.equal(seen[0].mask, seen[1].mask)
+
+
+def test_graphed_draw_in_inference_mode_and_after_its_constants_leave_the_cache():
+    """A capture inside ``inference_mode`` works, and a captured draw keeps the constants it reads: after the
+    caches drop theirs and their memory is handed out again, replays still mix as ``apply`` does."""
+    import gc
+    from timm_patchmix.grid import _pixel_cells
+    from timm_patchmix.mix import _areas, _header
     x = torch.randint(0, 255, (16, 3, 36, 36), device='cuda').float()
     y = torch.randint(0, 10, (16,), device='cuda')
     mixer = PatchMix(num_classes=10)
-    side = torch.cuda.Stream()
     with torch.inference_mode():
-        for stream in (side, torch.cuda.current_stream(), side, torch.cuda.current_stream()):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                xg, tg = mixer(x.clone(), y)
-                _, params = _draw_of(mixer, x)
-            torch.cuda.current_stream().wait_stream(stream)
-            xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
-            assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+        xg, tg = mixer(x.clone(), y)
+        _, params = _draw_of(mixer, x)
+    xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+    assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+    for cache in (_pixel_cells, _header, _areas):
+        cache.cache_clear()
+    gc.collect()
+    junk = [torch.zeros(36 * 36, dtype=torch.long, device='cuda'), torch.zeros(1, 2, device='cuda'),
+            torch.zeros(4, 4, dtype=torch.float64, device='cuda'), torch.zeros((), dtype=torch.float64, device='cuda')]
+    for _ in range(2):
+        xg, tg = mixer(x.clone(), y)
+        _, params = _draw_of(mixer, x)
+        xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+        assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+    del junk
+
+
+def test_graphed_draw_follows_the_mixers_settings():
+    """Changing ``prob``, ``mode`` or the switch timm's loop uses (``mixup_enabled``) after a capture: a new
+    setting gets a draw of its own, and a disabled mixer leaves the batch as it is (lam 1)."""
+    from timm_patchmix.mix import _unpack
+    x = torch.randint(0, 255, (10, 3, 32, 32), device='cuda').float()
+    y = torch.randint(0, 10, (10,), device='cuda')
+    mixer = PatchMix(num_classes=10)
+    mixer(x.clone(), y)
+    for attr, value in (('prob', 0.0), ('mode', 'pair')):
+        setattr(mixer, attr, value)
+        xg, tg = mixer(x.clone(), y)
+        _, params = _draw_of(mixer, x)
+        xc, tc = mixer.apply(x.cpu(), y.cpu(), params.to('cpu'))
+        assert torch.equal(xg.cpu(), xc) and torch.equal(tg.cpu(), tc)
+        if attr == 'prob':
+            assert torch.equal(xg, x) and params.mask.all()  # prob 0 mixes nothing
+    assert len(mixer._graphs) == 3
+    mixer.mixup_enabled = False
+    xg, tg = mixer(x.clone(), y)
+    assert torch.equal(xg, x) and bool((_unpack(tg)[1] == 1).all()) and len(mixer._graphs) == 3
 
 
 def test_eager_draw_where_no_graph_is_taken():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -324,28 +323,42 @@ def _select(x: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor, source: O
 
 
 @lru_cache(maxsize=32)
-def _areas(height: int, width: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """:func:`cell_areas` as a read-only float64 constant on ``device``, built once per key outside autograd and
-    inference mode (see :func:`timm_patchmix.grid._pixel_cells`)."""
+def _areas(height: int, width: int, rows: int, cols: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cell_areas` and the plane's pixel count ``H * W`` as read-only float64 constants on ``device`` (the
+    count 0-dimensional), built once per key outside autograd and inference mode (see
+    :func:`timm_patchmix.grid._pixel_cells`)."""
     with torch.inference_mode(False), torch.no_grad():
-        return cell_areas(height, width, (rows, cols), device)
+        return (cell_areas(height, width, (rows, cols), device),
+                torch.full((), height * width, dtype=torch.float64, device=device))
 
 
-def _mask_parts(mask: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mask_constants(height: int, width: int, rows: int, cols: int, device: torch.device) -> tuple:
+    """The constants :func:`_mask_parts` reads: the pixel-to-cell map, the packed header, the cell areas and the
+    pixel count."""
+    return (cached_constant(_pixel_cells, height, width, rows, cols, device),
+            cached_constant(_header, rows, cols, device), *cached_constant(_areas, height, width, rows, cols, device))
+
+
+def _mask_parts(mask: torch.Tensor, height: int, width: int,
+                constants: Optional[tuple] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the accelerator branch derives from keep masks ``[B, rows, cols]`` alone: the pixel mask
     ``[B, 1, H, W]`` of the select, the packed target's head ``[B, 3]`` (rows, cols, lam) and its keep columns
-    ``[B, rows * cols]`` as float32.
+    ``[B, rows * cols]`` as float32. ``constants`` are :func:`_mask_constants`' (looked up when not given).
 
-    lam is the CPU branch's formula, kept pixels by cell area in float64 over ``H * W``: sums of integers, exact in
-    any order, so both branches give the same float32 lam bit for bit. Nothing here reads the images or the labels,
-    which is what lets :class:`PatchMix` draw a batch's params and these tensors in one captured CUDA graph."""
+    lam is the CPU branch's formula: kept pixels by cell area, summed in float64 (sums of integers, exact in any
+    order) and divided by ``H * W`` in float64, then rounded to float32. The divisor is a tensor on the mask's
+    device, not a Python number: CUDA divides by a host scalar by multiplying with its reciprocal, which is not
+    always the correctly rounded quotient that the CPU's division gives. So both branches give the same float32 lam
+    bit for bit. Nothing here reads the images or the labels, which is what lets :class:`PatchMix` draw a batch's
+    params and these tensors in one captured CUDA graph."""
     b, rows, cols = mask.shape
-    dev = mask.device
-    lam = (mask.to(torch.float64) * cached_constant(_areas, height, width, rows, cols, dev)).sum((1, 2))
-    head = torch.cat([cached_constant(_header, rows, cols, dev).expand(b, 2),
-                      (lam / (height * width)).to(torch.float32).view(b, 1)], dim=1)
-    pix = cell_mask_to_pixels(mask, height, width).unsqueeze(1)
-    return pix, head, mask.reshape(b, rows * cols).to(torch.float32)
+    cells, header, areas, pixels = (constants if constants is not None
+                                    else _mask_constants(height, width, rows, cols, mask.device))
+    lam = (mask.to(torch.float64) * areas).sum((1, 2)) / pixels
+    head = torch.cat([header.expand(b, 2), lam.to(torch.float32).view(b, 1)], dim=1)
+    flat = mask.reshape(b, rows * cols)
+    # the pixel mask by one index_select with the pixel-to-cell map, as cell_mask_to_pixels makes it
+    return flat.index_select(1, cells).view(b, 1, height, width), head, flat.to(torch.float32)
 
 
 def _finish(x: torch.Tensor, y: torch.Tensor, y_src: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor,
@@ -364,51 +377,51 @@ _MAX_DRAW_GRAPHS = 8  # captured draws kept per mixer (batch shapes, devices and
 
 class _DrawGraph:
     """One CUDA graph that draws a mixer's params for one batch shape on one device and derives from them what the
-    select and the packed target need (:func:`_mask_parts`). Every replay rewrites the same tensors, so a replay
-    must wait for the kernels that read the last one (``done``, recorded after them on their stream)."""
-    __slots__ = ('graph', 'partner', 'mask', 'pix', 'head', 'keep', 'done')
+    select and the packed target need (:func:`_mask_parts`). Every replay rewrites the same output tensors. The
+    graph reads the constants by address, so they are kept here: a cache may drop its own reference to them."""
+    __slots__ = ('graph', 'constants', 'partner', 'mask', 'pix', 'head', 'keep')
 
-    def __init__(self, graph, partner, mask, pix, head, keep):
-        self.graph, self.partner, self.mask, self.pix, self.head, self.keep = graph, partner, mask, pix, head, keep
-        self.done = torch.cuda.Event()
+    def __init__(self, graph, constants, partner, mask, pix, head, keep):
+        self.graph, self.constants = graph, constants
+        self.partner, self.mask, self.pix, self.head, self.keep = partner, mask, pix, head, keep
 
 
 def _capture_draw(mixer: 'PatchMix', batch_size: int, height: int, width: int, device: torch.device) -> _DrawGraph:
     """Capture ``mixer.sample`` and :func:`_mask_parts` for ``[batch_size, *, height, width]`` batches on the CUDA
     ``device`` (the current device), drawing from its default generator.
 
-    The draw is run once eagerly first, on the capture's side stream, so that lazy initialisation happens outside
-    the capture; the generator's state is restored afterwards, so capturing consumes no random numbers. Each replay
-    then draws anew: the default generator is registered with every capture, and a replay advances it as the
-    eager calls would. The constants the draw reads are built first on the current stream, outside the graph's
-    memory pool."""
+    The constants the draw reads are fetched first, on the current stream and outside the graph's memory pool, and
+    passed in, so that nothing is looked up or built during the capture. The same kernels run once before the
+    capture on a generator of their own (lazy initialisation happens outside the capture, and the default
+    generator is not touched). The capture itself draws nothing: each replay draws from the default generator and
+    advances it, as the eager kernels would. A capture that fails raises: after a failed capture the allocator and
+    the generator cannot be relied on, so no eager fallback is attempted."""
     rows, cols = mixer.grid
-    cached_constant(_pixel_cells, height, width, rows, cols, device)
-    cached_constant(_header, rows, cols, device)
-    cached_constant(_areas, height, width, rows, cols, device)
+    constants = _mask_constants(height, width, rows, cols, device)
 
-    def draw():
-        params = mixer.sample(batch_size, device=device)
-        return (params.partner, params.mask, *_mask_parts(params.mask, height, width))
+    def draw(generator=None):
+        params = mixer.sample(batch_size, generator=generator, device=device)
+        return (params.partner, params.mask, *_mask_parts(params.mask, height, width, constants))
 
-    rng = torch.cuda.get_rng_state(device)
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(side), torch.inference_mode(False), torch.no_grad():
-            draw()
+            draw(torch.Generator(device).manual_seed(0))
             # thread_local: other threads of the process may allocate meanwhile (a capture in 'global' mode fails)
             graph.capture_begin(capture_error_mode='thread_local')
             try:
                 out = draw()
             finally:
                 graph.capture_end()
+    except RuntimeError as e:
+        raise RuntimeError(f'PatchMix could not capture the draw of a batch of {batch_size}x{height}x{width} on '
+                           f'{device} in a CUDA graph: {e}. PatchMix(..., cuda_graph=False) draws eagerly.') from e
     finally:
         current.wait_stream(side)
-        torch.cuda.set_rng_state(rng, device)
-    return _DrawGraph(graph, *out)
+    return _DrawGraph(graph, constants, *out)
 
 
 class PatchMix:
@@ -436,13 +449,14 @@ class PatchMix:
 
     On a CUDA batch a call is bound by the host: a dozen small kernels to draw partners and masks, each costing a
     launch. So ``mixer(x, target)`` draws them, with the pixel mask, lam and the target's keep columns, by replaying
-    a CUDA graph captured at the first call of each batch shape (up to eight per mixer), and launches only the
-    select and the labels' kernels itself. It draws from the device's default generator, as the eager draw does:
-    seeding replays a run. The captured draw gives a batch distributed as ``apply(x, target, sample(...))`` does,
-    but not necessarily the same batch for the same seed. An explicit ``generator``, ``torch.compile`` tracing,
-    a stream already capturing a graph, ``cuda_graph=False`` and a capture that fails (with a warning) all take
-    the eager draw. The first call of a shape synchronises with the device once, to capture: make one mixer and
-    keep it, as with timm's ``Mixup``.
+    a CUDA graph captured at the first call of each batch shape (up to eight per mixer; further shapes draw
+    eagerly), and launches only the select and the labels' kernels itself. A replay draws from the device's default
+    generator with the eager draw's kernels, so it gives the batch that ``apply(x, target, sample(...))`` gives from
+    the same generator state (tested), and capturing draws nothing. Every replay waits for the kernels that read the
+    one before, on whatever stream they ran. An explicit ``generator``, ``torch.compile`` or ``torch.jit`` tracing,
+    a stream that is itself capturing a graph and ``cuda_graph=False`` take the eager draw; a capture that fails
+    raises, naming ``cuda_graph=False``. The first call of a shape captures, which costs a few milliseconds: make
+    one mixer and keep it, as with timm's ``Mixup``.
     """
 
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
@@ -461,7 +475,8 @@ class PatchMix:
         if not isinstance(cuda_graph, bool):
             raise ValueError(f'cuda_graph must be True or False, got {cuda_graph!r}')
         self.cuda_graph = cuda_graph
-        self._graphs: Dict[tuple, Optional[_DrawGraph]] = {}
+        self._graphs: Dict[tuple, _DrawGraph] = {}
+        self._replayed: Dict[torch.device, torch.cuda.Event] = {}  # per device, after the last replay's readers
         self._graph_lock = threading.Lock()
         self.alpha = float(alpha)
         self.prob = float(prob)
@@ -475,15 +490,16 @@ class PatchMix:
         return self.grid[0] * self.grid[1]
 
     def __getstate__(self) -> dict:
-        # captured graphs and the lock belong to this process (a pickled mixer goes to DataLoader workers)
+        # captured graphs, their event and the lock belong to this process (a pickled mixer goes to workers)
         state = self.__dict__.copy()
-        state['_graphs'] = {}
-        del state['_graph_lock']
+        for name in ('_graphs', '_replayed', '_graph_lock'):
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault('cuda_graph', True)
         self.__dict__.update(state)
-        self._graph_lock = threading.Lock()
+        self._graphs, self._replayed, self._graph_lock = {}, {}, threading.Lock()
 
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(grid={self.grid}, alpha={self.alpha}, prob={self.prob}, mode={self.mode!r}, '
@@ -593,39 +609,35 @@ class PatchMix:
         host synchronisation (after a CUDA batch shape's first call, which captures its draw; see the class)."""
         self._check_image(x)
         if (generator is None and x.is_cuda and self.cuda_graph and self.mixup_enabled and x.shape[0] > 0
-                and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()):
+                and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+                and not torch.cuda.is_current_stream_capturing()):
             out = self._call_graphed(x, target)
             if out is not None:
                 return out
         return self._apply(x, target, self.sample(x.shape[0], generator=generator, device=x.device))
 
-    def _draw_graph(self, key: tuple, b: int, h: int, w: int, device: torch.device) -> Optional[_DrawGraph]:
-        """The captured draw for ``key``, captured now if new; ``None`` where calls of ``key`` draw eagerly."""
-        if key in self._graphs:
-            return self._graphs[key]
-        if len(self._graphs) >= _MAX_DRAW_GRAPHS:
-            return None
-        try:
-            draw = _capture_draw(self, b, h, w, device)
-        except RuntimeError as e:
-            warnings.warn(f'PatchMix could not capture its draw for batches of {b}x{h}x{w} on {device} in a CUDA '
-                          f'graph, so it draws them eagerly: {e}')
-            draw = None
-        self._graphs[key] = draw
-        return draw
-
     def _call_graphed(self, x: torch.Tensor, target: torch.Tensor):
+        """A call on the captured draw of ``x``'s batch shape; ``None`` where it is to draw eagerly (this mixer
+        already holds its most captured draws)."""
         b, _, h, w = x.shape
         dev = x.device
         y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=dev)
         key = (b, h, w, dev, self.mode, self.prob, self.grid)
         with self._graph_lock, (nullcontext() if dev.index == torch.cuda.current_device() else torch.cuda.device(dev)):
-            draw = self._draw_graph(key, b, h, w, dev)
+            draw = self._graphs.get(key)
             if draw is None:
-                return None
+                if len(self._graphs) >= _MAX_DRAW_GRAPHS:
+                    return None
+                draw = self._graphs[key] = _capture_draw(self, b, h, w, dev)
+            replayed = self._replayed.get(dev)
+            if replayed is None:
+                replayed = self._replayed[dev] = torch.cuda.Event()
             stream = torch.cuda.current_stream()
-            stream.wait_event(draw.done)  # the last replay's readers, on whatever stream they ran
+            # every replay on this device waits for the kernels that read the one before, on whatever stream they
+            # ran: a replay rewrites its graph's outputs, and graphs that draw from one generator share its state
+            stream.wait_event(replayed)
             draw.graph.replay()
-            out = _finish(x, y, y, draw.partner, draw.pix, draw.head, draw.keep, None)
-            draw.done.record(stream)
-        return out
+            try:
+                return _finish(x, y, y, draw.partner, draw.pix, draw.head, draw.keep, None)
+            finally:
+                replayed.record(stream)
