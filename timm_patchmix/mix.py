@@ -307,7 +307,7 @@ def mix_select_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
     """The same in-place mix as :func:`mix_cells_` in two whole-batch kernels: gather the partners into a new
     tensor, then select per pixel into ``x``. It moves more bytes but launches no per-cell kernels and needs no
     device sync, which is what a GPU prefers."""
-    _select(x, partner, cell_mask_to_pixels(mask, x.shape[-2], x.shape[-1]), source)
+    _select(x, partner, cell_mask_to_pixels(mask, x.shape[-2], x.shape[-1]).unsqueeze(1), source)
     return x
 
 
@@ -318,8 +318,10 @@ def _per_cell(device: torch.device) -> bool:
 
 
 def _select(x: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor, source: Optional[torch.Tensor]) -> None:
+    """Where the pixel mask ``pix [B, 1, H, W]`` is False, ``x`` takes ``source[partner]``'s pixel (``source``
+    defaults to ``x``): one gather of the partners, then one select into ``x``."""
     src = x if source is None else source
-    torch.where(pix.unsqueeze(1), x, src.index_select(0, partner), out=x)
+    torch.where(pix, x, src.index_select(0, partner), out=x)
 
 
 @lru_cache(maxsize=32)
@@ -366,8 +368,7 @@ def _finish(x: torch.Tensor, y: torch.Tensor, y_src: torch.Tensor, partner: torc
             source: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The accelerator branch's work on the batch itself, given :func:`_mask_parts`: one partner gather and one
     per-pixel select into ``x``, and the packed target (the layout of :func:`pack_target`) in one ``cat``."""
-    src = x if source is None else source
-    torch.where(pix, x, src.index_select(0, partner), out=x)
+    _select(x, partner, pix, source)
     # index_select rather than y_src[partner]: the same gather, without advanced indexing's host-side parsing
     return x, torch.cat([head, y, y_src.index_select(0, partner), keep], dim=1)
 
@@ -621,7 +622,6 @@ class PatchMix:
         already holds its most captured draws)."""
         b, _, h, w = x.shape
         dev = x.device
-        y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=dev)
         key = (b, h, w, dev, self.mode, self.prob, self.grid)
         with self._graph_lock, (nullcontext() if dev.index == torch.cuda.current_device() else torch.cuda.device(dev)):
             draw = self._graphs.get(key)
@@ -629,6 +629,8 @@ class PatchMix:
                 if len(self._graphs) >= _MAX_DRAW_GRAPHS:
                     return None
                 draw = self._graphs[key] = _capture_draw(self, b, h, w, dev)
+            # the labels first: a bad target raises before anything is replayed
+            y = soft_target(target, self.num_classes, self.label_smoothing, batch_size=b, device=dev)
             replayed = self._replayed.get(dev)
             if replayed is None:
                 replayed = self._replayed[dev] = torch.cuda.Event()
