@@ -178,7 +178,6 @@ def main() -> None:
     y = torch.randint(0, 1000, (n,), device=device)
     buf = torch.empty_like(x)
     pm = PatchMix(grid=4, mode='elem', num_classes=1000)
-    pm_eager = PatchMix(grid=4, mode='elem', num_classes=1000, cuda_graph=False)
     cut_batch = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.0, num_classes=1000)
     cut_elem = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='elem', label_smoothing=0.0, num_classes=1000)
     cases = {
@@ -188,6 +187,7 @@ def main() -> None:
         'timm_cutmix_elem': lambda: cut_elem(x, y),
     }
     if device.type == 'cuda':  # the draw without its captured CUDA graph (the same on every other device)
+        pm_eager = PatchMix(grid=4, mode='elem', num_classes=1000, cuda_graph=False)
         cases['patchmix_elem_eager_draw'] = lambda: pm_eager(x, y)
     if args.compile:
         compiled = torch.compile(pm)

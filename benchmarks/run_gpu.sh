@@ -2,10 +2,10 @@
 # Everything that needs a GPU, in two parts sized for a short lease. Results go to $OUT when set (a remote run),
 # else benchmarks/results (speed) and output/gpu_study (study).
 #
-#   bash benchmarks/run_gpu.sh speed         # ~7 min: CUDA tests (sync-free mixer and step), mixer (with a profile,
-#                                            #   its parts and CUDA-graph prototypes, a torch.compile case), patch
-#                                            #   head and --device-data benchmarks, JSON per benchmark; on a lease
-#                                            #   all of them packed as $OUT/gpu_speed.tar.gz
+#   bash benchmarks/run_gpu.sh speed         # ~5 min: CUDA tests (sync-free mixer and step), mixer (with a profile,
+#                                            #   its parts with and without the captured draw, a torch.compile
+#                                            #   case), patch head and --device-data benchmarks, JSON per benchmark;
+#                                            #   on a lease all of them packed as $OUT/gpu_speed.tar.gz
 #   EPOCHS=6 bash benchmarks/run_gpu.sh study  # the full-data Fashion-MNIST study, pipeline --budget gpu, 3 seeds
 #
 # Preparation on a machine with pip (the GPU machine reaches no registry):
@@ -42,7 +42,7 @@ if [ "$PART" = speed ]; then
     # the collates also run in real DataLoaders (collate_loader); the JSON records the host's huge-page setting
     timeout 110 python3 benchmarks/bench_mix.py --device cuda --profile --json "$R/mix_cuda.json" 2>&1 \
         | tee "$R/mix_cuda.log"
-    # the tensor mixer taken apart: host against device time per part, and two CUDA-graph prototypes
+    # the tensor mixer taken apart: host against device time per part, with and without the captured draw
     timeout 60 python3 benchmarks/bench_mix_cuda.py --json "$R/mix_cuda_parts.json"
     timeout 30 python3 benchmarks/bench_mix_host.py --device cuda --repeats 200 --json "$R/mix_host_cuda.json"
     timeout 100 python3 benchmarks/bench_models.py --device cuda --amp bf16 --channels-last --cifar-batch 128 \
