@@ -6,7 +6,8 @@
 #                                            #   its parts with and without the captured draw, a torch.compile
 #                                            #   case), patch head and --device-data benchmarks, JSON per benchmark;
 #                                            #   on a lease all of them packed as $OUT/gpu_speed.tar.gz
-#   EPOCHS=6 bash benchmarks/run_gpu.sh study  # the full-data Fashion-MNIST study, pipeline --budget gpu, 3 seeds
+#   EPOCHS=6 bash benchmarks/run_gpu.sh study  # the full-data Fashion-MNIST study, pipeline --budget gpu, 3 seeds,
+#                                            #   JOBS (default 3) phases at once sharing the GPU (pipeline --jobs)
 #
 # Preparation on a machine with pip (the GPU machine reaches no registry):
 #   mkdir -p data/fmnist && cp /usr/share/datasets/fashion-mnist/*.gz data/fmnist/   # data/ is git-ignored
@@ -61,12 +62,13 @@ elif [ "$PART" = study ]; then
     S=output/gpu_study
     EPOCHS=${EPOCHS:-6}
     start=$(date +%s)
+    JOBS=${JOBS:-3}
     timeout ${STUDY_TIMEOUT:-480} python3 -m timm_patchmix.pipeline --budget gpu --dataset fashion_mnist \
-        --data-dir "$FM" --model resnet32_cifar --seeds 0 1 2 --output "$S" --train-args --epochs "$EPOCHS"
-    echo "study wall time $(( $(date +%s) - start )) s, $EPOCHS epochs"
+        --data-dir "$FM" --model resnet32_cifar --seeds 0 1 2 --output "$S" --jobs "$JOBS" --train-args --epochs "$EPOCHS"
+    echo "study wall time $(( $(date +%s) - start )) s, $EPOCHS epochs, $JOBS jobs"
     # at most 8 files come back from a lease: the report, and every run's CSVs and records in one archive
     D=${OUT:-output}
-    (cd "$S" && find . \( -name '*.csv' -o -name '*.json' -o -name '*.md' -o -name '*.yaml' \) -print0 \
+    (cd "$S" && find . \( -name '*.csv' -o -name '*.json' -o -name '*.md' -o -name '*.yaml' -o -name '*.log' \) -print0 \
         | tar czf "$D/gpu_study_runs.tar.gz" --null -T -)
     for f in report.md report.json; do [ -f "$S/$f" ] && cp "$S/$f" "$D/gpu_study_$f"; done
     ls -la "$S" "$D"

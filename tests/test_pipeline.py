@@ -222,3 +222,159 @@ def test_rerun_refuses_a_finished_phase_without_its_output(tmp_path, capsys, mis
     if missing == 'f_T':
         assert cli(['--output', str(out), '--methods', 'random_pm'] + TINY_TRAIN) == 0
         assert (out / 'report.md').is_file() and not ft.exists()
+
+
+# --jobs N: the phases in child processes
+
+JOBS_ARGS = ['--methods', 'base', 'random_pm', 'guided_pm', '--threads', '1'] + TINY_TRAIN
+
+
+def _pipeline(out, *flags, timeout=900):
+    return subprocess.run([sys.executable, '-m', 'timm_patchmix.pipeline', '--output', str(out)] + list(flags)
+                          + JOBS_ARGS, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'))
+
+
+def _table(path):
+    t = json.loads(path.read_text())
+    t['search_args'].pop('checkpoint')  # the f_T path names each run's own folder
+    return t
+
+
+@pytest.fixture(scope='module')
+def serial_run(tmp_path_factory):
+    """The folder of the --jobs tests' pipeline run one phase after another in one process."""
+    ref = tmp_path_factory.mktemp('serial') / 'ref'
+    res = _pipeline(ref)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return ref
+
+
+@pytest.mark.slow
+def test_jobs_runs_each_phase_in_a_child_to_the_same_report(tmp_path, serial_run):
+    """--jobs 2 runs every phase in its own process (f_T and a baseline side by side, the search once f_T is done,
+    the guided model once the search is done), each logging to logs/; the report, the table and every run's numbers
+    equal those of the same phases run one after another in one process."""
+    out = tmp_path / 'jobs'
+    res = _pipeline(out, '--jobs', '2')
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / 'report.md').read_bytes() == (serial_run / 'report.md').read_bytes()
+    assert _table(out / 'masks.json') == _table(serial_run / 'masks.json')
+    for f in ('fitness.png', 'pairs.png', 'guided_samples.png'):
+        assert (out / f).is_file(), f
+    runs = [json.loads((d / 'report.json').read_text())['runs'] for d in (out, serial_run)]
+    keep = ('method', 'seed', 'final_top1', 'best_top1', 'holdout_final_top1', 'holdout_best_top1', 'best_epoch')
+    assert [{k: r[k] for k in keep} for r in runs[0]] == [{k: r[k] for k in keep} for r in runs[1]]
+    assert sorted(p.name for p in (out / 'logs').iterdir()) == [
+        'seed0_base.log', 'seed0_guided_pm.log', 'seed0_random_pm.log', 'seed0_search.log']
+    assert 'training random_pm' in (out / 'logs' / 'seed0_random_pm.log').read_text()
+    lines = res.stdout.splitlines()
+    started = [ln for ln in lines if 'started' in ln]
+    assert started[:2] == [f'[seed 0] random_pm started (log: {out / "logs" / "seed0_random_pm.log"})',
+                           f'[seed 0] base started (log: {out / "logs" / "seed0_base.log"})']  # f_T first
+
+    def at(text):
+        return next(i for i, ln in enumerate(lines) if text in ln)
+    assert at('random_pm done') < at('search started') < at('search done') < at('guided_pm started')
+    # a rerun with --jobs finds every phase done: nothing starts, the same report
+    again = _pipeline(out, '--jobs', '2')
+    assert again.returncode == 0 and 'started' not in again.stdout
+    assert (out / 'report.md').read_bytes() == (serial_run / 'report.md').read_bytes()
+
+
+@pytest.mark.slow
+def test_jobs_reports_a_failed_phase_and_a_rerun_resumes(tmp_path):
+    """A phase that fails in its child (f_T resuming from a corrupt state file) stops nothing else: the baseline
+    finishes, the search and the guided model do not start, and the pipeline exits 1 naming the failed phases and
+    the logs, the log's end on its output. After the bad file is gone, a rerun keeps the finished baseline."""
+    from timm_patchmix.pipeline import SETTINGS_FILE, _phase_settings, build_parser
+    from timm_patchmix.settings import write_settings
+    out = tmp_path / 'out'
+    args = build_parser().parse_args(['--output', str(out)] + JOBS_ARGS)
+    ft = out / 'seed0' / 'random_pm'
+    ft.mkdir(parents=True)
+    write_settings(str(ft / SETTINGS_FILE), _phase_settings(args, 0))
+    (ft / 'state.safetensors').write_bytes(b'not a checkpoint')
+    res = _pipeline(out, '--jobs', '2')
+    assert res.returncode == 1
+    err = res.stderr.strip()
+    assert err.startswith('error: 3 phase(s) failed or could not start: seed 0 random_pm, seed 0 search, '
+                          'seed 0 guided_pm.') and str(out / 'logs') in err and 'Traceback' not in err
+    assert 'random_pm FAILED (exit status 1)' in res.stdout and 'state.safetensors' in res.stdout  # the log's end
+    assert '[seed 0] search not started: a phase it reads failed' in res.stdout
+    assert (out / 'seed0' / 'base' / 'done.json').is_file()
+    assert not (out / 'seed0' / 'search').exists() and not (out / 'report.md').exists()
+    stamp = (out / 'seed0' / 'base' / 'done.json').stat().st_mtime_ns
+    (ft / 'state.safetensors').unlink()
+    again = _pipeline(out, '--jobs', '2')
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert 'base started' not in again.stdout and (out / 'report.md').is_file()
+    assert (out / 'seed0' / 'base' / 'done.json').stat().st_mtime_ns == stamp
+
+
+def _children(parent: int):
+    """The pids of live processes started by pipeline process ``parent`` for its phases (Linux)."""
+    from timm_patchmix.pipeline import PARENT_ENV
+    found = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\0')
+            state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]
+        except OSError:
+            continue
+        if f'{PARENT_ENV}={parent}'.encode() in env and state != 'Z':
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='the children follow their parent on Linux')
+@pytest.mark.parametrize('sig', ['SIGKILL', 'SIGTERM'])
+def test_killed_jobs_pipeline_stops_its_phases_and_resumes(tmp_path, sig, serial_run):
+    """Killing the pipeline while its phases run (SIGKILL, or SIGTERM as a scheduler sends it) stops their
+    processes too, so none goes on to finish beside a rerun; the rerun resumes to the uninterrupted report."""
+    import signal
+    import time
+    out = tmp_path / 'out'
+    proc = subprocess.Popen([sys.executable, '-m', 'timm_patchmix.pipeline', '--output', str(out), '--jobs', '2']
+                            + JOBS_ARGS, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'))
+    try:
+        deadline = time.monotonic() + 300
+        while len(_children(proc.pid)) < 2:  # f_T and the baseline running
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        children = _children(proc.pid)
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(timeout=60) == (-9 if sig == 'SIGKILL' else 128 + signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while any(p in _children(proc.pid) for p in children):
+            assert time.monotonic() < deadline, f'phases still running: {_children(proc.pid)}'
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(1)
+    # stopped, not finished: a phase that went on would have marked itself done by now
+    assert not any((out / 'seed0' / n / 'done.json').exists() for n in ('base', 'random_pm'))
+    assert not (out / 'report.md').exists()
+    res = _pipeline(out, '--jobs', '2')
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / 'report.md').read_bytes() == (serial_run / 'report.md').read_bytes()
+
+
+def test_jobs_flags_are_checked(tmp_path, capsys):
+    from timm_patchmix.pipeline import build_parser, main, phases
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(['--jobs', '0'])
+    assert e.value.code == 2 and "--jobs: must be an integer >= 1, got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(['--output', str(tmp_path), '--run-phase', '0:search', '--methods', 'base'])
+    assert e.value.code == 2 and "--run-phase '0:search' is not a phase of this run" in capsys.readouterr().err
+    with pytest.raises(ValueError, match='on_train_step needs --jobs 1'):
+        main(['--output', str(tmp_path / 'o'), '--jobs', '2'], on_train_step=lambda event: None)
+    assert not (tmp_path / 'o').exists()  # refused before anything is written
+    args = build_parser().parse_args(['--seeds', '3', '4', '--methods', 'mixup', 'guided_pm'])
+    assert phases(args) == [(3, 'mixup', ()), (3, 'random_pm', ()), (3, 'search', ('random_pm',)),
+                            (3, 'guided_pm', ('search',)), (4, 'mixup', ()), (4, 'random_pm', ()),
+                            (4, 'search', ('random_pm',)), (4, 'guided_pm', ('search',))]

@@ -21,15 +21,18 @@ import argparse
 import json
 import logging
 import os
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
-from .cli_types import directory, fraction, nonneg_int, optional_directory
+from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
 from .viz import render_guided_samples
 
@@ -112,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loss of the final Guided PatchMix model f_O: 'image', the image loss L_O alone (the "
                         "paper's text), or 'total', L_T = (L_O + L_P/P^2)/2 as f_T; Random PatchMix f_T always "
                         "trains on L_T")
+    p.add_argument('--jobs', type=positive_int, default=1,
+                   help='phases run at once, each in its own process (1: one after another in this process). '
+                        'Runs of small models share one GPU this way, and on a CPU each takes --threads of the '
+                        'cores; a phase starts once the phases it reads are done, f_T first')
+    p.add_argument('--threads', type=nonneg_int, default=0,
+                   help='torch threads of each phase (0: the cores / --jobs with --jobs > 1, torch\'s default with '
+                        '--jobs 1)')
+    p.add_argument('--run-phase', default=None, help=argparse.SUPPRESS)  # SEED:NAME, a child of --jobs N
     p.add_argument('--train-args', nargs=argparse.REMAINDER, default=[], metavar='FLAG',
                    help='extra train.py flags for every training run, e.g. --train-subset 4000 (last on the line)')
     return p
@@ -519,49 +530,204 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
                          f'search and report share')
 
 
+class PhaseFailedError(RuntimeError):
+    """A phase run in a child process (``--jobs N``) failed; the phases that read its outputs did not start."""
+
+
+# the order in which ready phases start with --jobs N: f_T and what reads it first (the longest chain), then the rest
+_PRIORITY = ('search', 'guided_pm', 'random_pm', 'base', 'mixup', 'cutmix')
+
+
+def phases(args) -> List[Tuple[int, str, Tuple[str, ...]]]:
+    """``(seed, name, names it reads)`` of every phase the run needs, in the order one process runs them."""
+    out = []
+    for seed in dict.fromkeys(args.seeds):  # a seed given twice is one run
+        out += [(seed, m, ()) for m in ('base', 'mixup', 'cutmix') if m in args.methods]
+        if 'random_pm' in args.methods or 'guided_pm' in args.methods:
+            out.append((seed, 'random_pm', ()))
+        if 'guided_pm' in args.methods:
+            out += [(seed, 'search', ('random_pm',)), (seed, 'guided_pm', ('search',))]
+    return out
+
+
+def _phase_folder(args, seed: int, name: str) -> str:
+    return os.path.join(args.output, f'seed{seed}', name)
+
+
+def run_phase(args, seed: int, name: str, trainer: Optional[_Trainer] = None):
+    """Run one phase unless it is done: a training phase's ``done.json`` record, or the search's table path. The
+    guided phase draws its sample figure from the table first."""
+    head = f'patchhead_{args.model}'
+    if name in ('base', 'mixup', 'cutmix'):
+        flags = {'base': [], 'mixup': ['--mixup', '1.0'], 'cutmix': ['--cutmix', '1.0']}[name]
+        return _train(args, seed, name, ['--model', args.model] + flags, trainer=trainer)
+    if name == 'random_pm':
+        return _train(args, seed, 'random_pm', ['--model', head, '--patchmix'], trainer=trainer)
+    table = _search_table(_phase_folder(args, seed, 'search'))
+    if name == 'search':
+        return _search(args, seed, _ft_checkpoint(_phase_folder(args, seed, 'random_pm')))
+    if name != 'guided_pm':
+        raise ValueError(f'no phase named {name!r}')
+    guided = _guided_settings(args, table)  # checked before the samples are drawn from the table
+    _check_phase(args, _phase_folder(args, seed, 'guided_pm'), _phase_settings(args, seed, guided))
+    samples = os.path.join(os.path.dirname(table), 'guided_samples.png')
+    if not os.path.isfile(samples):
+        render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)
+    with open(table, encoding='utf-8') as fh:  # which images the search scored, for the report
+        scored = {'search_scored_on': (json.load(fh).get('search_args') or {}).get('scored_on')}
+    return _train(args, seed, 'guided_pm', guided_flags(args, head, table), guided, trainer=trainer, extra=scored)
+
+
+def _phase_log(args, seed: int, name: str) -> str:
+    return os.path.join(args.output, 'logs', f'seed{seed}_{name}.log')
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, encoding='utf-8', errors='replace') as fh:
+            return ''.join(fh.readlines()[-lines:])
+    except OSError:
+        return ''
+
+
+PARENT_ENV = 'TIMM_PATCHMIX_PIPELINE_PARENT'  # the pid of the pipeline process that started a --jobs child
+
+
+def _follow_parent() -> None:
+    """In a child of ``--jobs N`` on Linux: get SIGTERM when the pipeline process dies, also by SIGKILL, so that no
+    phase of a killed run goes on beside the rerun that resumes it; exit at once if it has died already."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith('linux'):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the request was in place
+        raise SystemExit(f'the pipeline process {parent} that started this phase is gone')
+
+
+def schedule(args, argv: List[str], threads: int, log=print) -> List[str]:
+    """Run the phases that are not done with at most ``args.jobs`` at once, each in a child process
+    (``python -m timm_patchmix.pipeline --run-phase SEED:NAME ARGV``) with ``threads`` torch threads and its output in
+    ``<output>/logs/``; a phase starts once those it reads are done. Returns the phases that failed or could not
+    start because one they read failed ("seed S NAME"). Stopping the pipeline (an exception, SIGTERM, Ctrl-C)
+    stops its running phases; a rerun resumes them from their state files."""
+    import timm_patchmix
+    todo = [(s, n, d) for s, n, d in phases(args) if not _done(_phase_folder(args, s, n))]
+    order = {(s, n): (_PRIORITY.index(n), i) for i, (s, n, _) in enumerate(todo)}
+    failed: List[str] = []
+    running: Dict[Tuple[int, str], Tuple[subprocess.Popen, Any, float]] = {}
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{PARENT_ENV: str(os.getpid())})
+    # the children import this same package, wherever it was imported from
+    src = os.path.dirname(os.path.dirname(os.path.abspath(timm_patchmix.__file__)))
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [src, os.environ.get('PYTHONPATH')]))
+    os.makedirs(os.path.join(args.output, 'logs'), exist_ok=True)
+    previous = None
+    if sys.platform != 'win32' and threading.current_thread() is threading.main_thread():
+        def stop(signum, frame):
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while todo or running:
+            for key, (proc, logf, began) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                logf.close()
+                del running[key]
+                seed, name = key
+                if proc.returncode == 0 and _done(_phase_folder(args, seed, name)):
+                    log(f'[seed {seed}] {name} done ({time.monotonic() - began:.0f} s)')
+                    continue
+                failed.append(f'seed {seed} {name}')
+                path = _phase_log(args, seed, name)
+                log(f'[seed {seed}] {name} FAILED (exit status {proc.returncode}); the end of {path}:\n'
+                    f'{_tail(path)}')
+            for s, n, deps in list(todo):
+                if any(f'seed {s} {d}' in failed for d in deps):
+                    todo.remove((s, n, deps))
+                    failed.append(f'seed {s} {n}')
+                    log(f'[seed {s}] {n} not started: a phase it reads failed')
+            # a phase it reads is done when its process has exited and left done.json
+            ready = sorted((t for t in todo if all((t[0], d) not in running and _done(_phase_folder(args, t[0], d))
+                                                   for d in t[2])), key=lambda t: order[t[:2]])
+            for s, n, deps in ready[:max(0, args.jobs - len(running))]:
+                todo.remove((s, n, deps))
+                path = _phase_log(args, s, n)
+                logf = open(path, 'a', encoding='utf-8')
+                cmd = [sys.executable, '-m', 'timm_patchmix.pipeline', '--run-phase', f'{s}:{n}',
+                       '--threads', str(threads)] + list(argv)  # first: --train-args takes the rest of the line
+                proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+                running[(s, n)] = (proc, logf, time.monotonic())
+                log(f'[seed {s}] {n} started (log: {path})')
+            if not running and todo:  # pragma: no cover -- every phase's inputs are phases of this same run
+                raise RuntimeError(f'no phase can start: {todo}')
+            if running:
+                time.sleep(0.2)
+    finally:
+        for proc, logf, _ in running.values():
+            proc.terminate()
+        for proc, logf, _ in running.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            logf.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return failed
+
+
 def main(argv=None, *, on_train_step=None) -> str:
     """Run the pipeline as ``argv`` says; returns the report's text. ``on_train_step`` is called after every
-    optimizer step of every training phase (a :class:`~timm_patchmix.engine.StepEvent`)."""
+    optimizer step of every training phase (a :class:`~timm_patchmix.engine.StepEvent`); it needs ``--jobs 1``,
+    as the phases of ``--jobs N`` run in other processes."""
     started = time.monotonic()
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    threads = args.threads or (max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else 0)
+    if args.run_phase is not None:  # a child of --jobs N: one phase, no report
+        seed, _, name = args.run_phase.partition(':')
+        if not any(f'{s}:{n}' == args.run_phase for s, n, _ in phases(args)):
+            parser.error(f'--run-phase {args.run_phase!r} is not a phase of this run (SEED:NAME)')
+        _follow_parent()
+        if threads:
+            torch.set_num_threads(threads)
+        run_phase(args, int(seed), name, _Trainer(on_train_step))
+        return ''
+    if args.jobs > 1 and on_train_step is not None:
+        raise ValueError('on_train_step needs --jobs 1: with --jobs N the phases run in other processes')
     _check_train_args(parser, args)
     _check_all_phases(args)
     os.makedirs(args.output, exist_ok=True)
-    head = f'patchhead_{args.model}'
+    if args.jobs > 1:
+        failed = schedule(args, argv, threads)
+        if failed:
+            raise PhaseFailedError(f'{len(failed)} phase(s) failed or could not start: {", ".join(failed)}. The '
+                                   f'logs are in {os.path.join(args.output, "logs")}; a rerun of the same command '
+                                   f'resumes them and reuses every finished phase.')
+    elif threads:
+        torch.set_num_threads(threads)
+    # one after another in this process; with --jobs N every phase is done by now, and this only reads the records
     results = []
     trainer = _Trainer(on_train_step)
     for seed in args.seeds:
-        if 'base' in args.methods:
-            results.append(_train(args, seed, 'base', ['--model', args.model], trainer=trainer))
-        if 'mixup' in args.methods:
-            results.append(_train(args, seed, 'mixup', ['--model', args.model, '--mixup', '1.0'], trainer=trainer))
-        if 'cutmix' in args.methods:
-            results.append(_train(args, seed, 'cutmix', ['--model', args.model, '--cutmix', '1.0'], trainer=trainer))
-        needs_ft = 'random_pm' in args.methods or 'guided_pm' in args.methods
-        if needs_ft:
-            ft = _train(args, seed, 'random_pm', ['--model', head, '--patchmix'], trainer=trainer)
-            if 'random_pm' in args.methods:
-                results.append(ft)
-        if 'guided_pm' in args.methods:
-            table = _search(args, seed, _ft_checkpoint(os.path.join(args.output, f'seed{seed}', 'random_pm')))
-            search_dir = os.path.dirname(table)
-            guided = _guided_settings(args, table)  # checked before the samples are drawn from the table
-            _check_phase(args, os.path.join(args.output, f'seed{seed}', 'guided_pm'),
-                         _phase_settings(args, seed, guided))
-            samples = os.path.join(search_dir, 'guided_samples.png')
-            if not os.path.isfile(samples):
-                render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)
-            with open(table, encoding='utf-8') as fh:  # which images the search scored, for the report
-                scored = {'search_scored_on': (json.load(fh).get('search_args') or {}).get('scored_on')}
-            results.append(_train(args, seed, 'guided_pm', guided_flags(args, head, table), guided, trainer=trainer,
-                                  extra=scored))
-            if seed == args.seeds[0]:
-                for f in ('fitness.png', 'pairs.png', 'masks.json', 'guided_samples.png'):
-                    src = os.path.join(search_dir, f)
-                    if os.path.isfile(src):
-                        with open(src, 'rb') as fh:
-                            atomic_write_bytes(os.path.join(args.output, f), fh.read())
+        for s, name, _ in phases(args):
+            if s != seed:
+                continue
+            rec = run_phase(args, seed, name, trainer)
+            if name in args.methods:
+                results.append(rec)
+        if 'guided_pm' in args.methods and seed == args.seeds[0]:
+            search_dir = _phase_folder(args, seed, 'search')
+            for f in ('fitness.png', 'pairs.png', 'masks.json', 'guided_samples.png'):
+                src = os.path.join(search_dir, f)
+                if os.path.isfile(src):
+                    with open(src, 'rb') as fh:
+                        atomic_write_bytes(os.path.join(args.output, f), fh.read())
     text = report(args, results, wall_time_s=time.monotonic() - started)
     print(text)
     return text
@@ -581,6 +747,9 @@ def cli(argv=None) -> int:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except NonFiniteLossError as e:  # a training phase diverged; rerunning resumes from its last finished epoch
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+    except PhaseFailedError as e:  # --jobs N: a phase's own error is in its log
         print(f'error: {e}', file=sys.stderr)
         return 1
     return 0
