@@ -14,6 +14,8 @@ file. Each phase records the settings it ran with in ``settings.json``: a rerun 
 settings (budget, dataset, model, ``--train-args``...) stops with exit status 2 and names each difference before it
 writes anything, instead of reusing or resuming phases made with the old settings. The report (``report.md``,
 ``report.json``, ``fitness.png``, ``pairs.png``, ``guided_samples.png``, ``masks.json``) goes to ``--output``.
+``--jobs N`` runs up to N phases at once, each in its own process (logs in ``<output>/logs/``), a phase once the
+phases it reads are done; the report is the same as one process's.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ examples:
   {prog}                                   # embedded data, smoke budget, a few minutes on a CPU
   {prog} --budget small --seeds 0 1 2
   {prog} --dataset fashion_mnist --budget small --seeds 0 1 2 --train-args --train-subset 4000
+  {prog} --budget gpu --dataset fashion_mnist --seeds 0 1 2 --jobs 3   # 3 phases at once, sharing a GPU
   {prog} --holdout 0                       # the old way, for comparison only'''
 
 
