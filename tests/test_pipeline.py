@@ -276,6 +276,7 @@ def test_jobs_runs_each_phase_in_a_child_to_the_same_report(tmp_path, serial_run
     def at(text):
         return next(i for i, ln in enumerate(lines) if text in ln)
     assert at('random_pm done') < at('search started') < at('search done') < at('guided_pm started')
+    assert at('base started') < at('random_pm done')  # side by side
     # a rerun with --jobs finds every phase done: nothing starts, the same report
     again = _pipeline(out, '--jobs', '2')
     assert again.returncode == 0 and 'started' not in again.stdout
@@ -341,7 +342,10 @@ def test_killed_jobs_pipeline_stops_its_phases_and_resumes(tmp_path, sig, serial
                             env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'))
     try:
         deadline = time.monotonic() + 300
-        while len(_children(proc.pid)) < 2:  # f_T and the baseline running
+        logs = [out / 'logs' / f'seed0_{n}.log' for n in ('random_pm', 'base')]
+        # f_T and the baseline training: past their start-up, where a child whose pipeline has already died
+        # exits by itself, so that only the request to be stopped with the pipeline can stop them now
+        while not all(f.exists() and 'training' in f.read_text() for f in logs) or len(_children(proc.pid)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         children = _children(proc.pid)
@@ -374,7 +378,31 @@ def test_jobs_flags_are_checked(tmp_path, capsys):
     with pytest.raises(ValueError, match='on_train_step needs --jobs 1'):
         main(['--output', str(tmp_path / 'o'), '--jobs', '2'], on_train_step=lambda event: None)
     assert not (tmp_path / 'o').exists()  # refused before anything is written
+    from timm_patchmix.pipeline import _wants_download  # then the first phase runs alone
+    assert _wants_download(build_parser().parse_args(['--train-args', '--dataset-download']))
+    assert not _wants_download(build_parser().parse_args([]))
     args = build_parser().parse_args(['--seeds', '3', '4', '--methods', 'mixup', 'guided_pm'])
     assert phases(args) == [(3, 'mixup', ()), (3, 'random_pm', ()), (3, 'search', ('random_pm',)),
                             (3, 'guided_pm', ('search',)), (4, 'mixup', ()), (4, 'random_pm', ()),
                             (4, 'search', ('random_pm',)), (4, 'guided_pm', ('search',))]
+
+
+def test_child_command_parses_back_to_the_run(tmp_path):
+    """A --jobs child's command line gives the pipeline's own flags back, with a negative seed and --train-args
+    flags in the --flag=value form; it loads the package the pipeline process runs."""
+    import timm_patchmix.pipeline as pipeline
+    argv = ['--output', str(tmp_path), '--seeds', '-1', '3', '--jobs', '2', '--train-args', '--epochs=3', '-b', '8']
+    cmd = pipeline.child_command(argv, -1, 'base', 1)
+    assert cmd[0] == sys.executable and cmd[1] == '-c' and cmd[3] == os.path.abspath(timm_patchmix.__file__)
+    args = pipeline.build_parser().parse_args(cmd[4:])
+    assert (args.run_phase, args.threads, args.seeds) == ('-1:base', 1, [-1, 3])
+    assert args.train_args == ['--epochs=3', '-b', '8'] and args.output == str(tmp_path)
+    # the child runs that package, even from a folder holding another timm_patchmix
+    shadow = tmp_path / 'timm_patchmix'
+    shadow.mkdir()
+    (shadow / '__init__.py').write_text('raise ImportError("the copy in the working directory")\n')
+    probe = [cmd[0], '-c', pipeline._CHILD.replace('from timm_patchmix.pipeline import cli\nraise SystemExit(cli())',
+                                                   'import timm_patchmix.pipeline as p; print(p.__file__)'), cmd[3]]
+    res = subprocess.run(probe, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == os.path.abspath(pipeline.__file__)
