@@ -315,7 +315,7 @@ def test_jobs_reports_a_failed_phase_and_a_rerun_resumes(tmp_path):
 
 def _children(parent: int):
     """The pids of live processes started by pipeline process ``parent`` for its phases (Linux)."""
-    from timm_patchmix.pipeline import PARENT_ENV
+    from timm_patchmix.children import PARENT_ENV
     found = []
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
@@ -390,19 +390,26 @@ def test_jobs_flags_are_checked(tmp_path, capsys):
 def test_child_command_parses_back_to_the_run(tmp_path):
     """A --jobs child's command line gives the pipeline's own flags back, with a negative seed and --train-args
     flags in the --flag=value form; it loads the package the pipeline process runs."""
+    import timm_patchmix.children as children
     import timm_patchmix.pipeline as pipeline
     argv = ['--output', str(tmp_path), '--seeds', '-1', '3', '--jobs', '2', '--train-args', '--epochs=3', '-b', '8']
-    cmd = pipeline.child_command(argv, -1, 'base', 1)
-    assert cmd[0] == sys.executable and cmd[1] == '-c' and cmd[3] == os.path.abspath(timm_patchmix.__file__)
-    args = pipeline.build_parser().parse_args(cmd[4:])
+    cmd = children.child_command('pipeline', pipeline.child_argv(argv, -1, 'base', 1))
+    assert cmd[:2] == [sys.executable, '-c'] and cmd[3:5] == [os.path.abspath(timm_patchmix.__file__), 'pipeline']
+    args = pipeline.build_parser().parse_args(cmd[5:])
     assert (args.run_phase, args.threads, args.seeds) == ('-1:base', 1, [-1, 3])
     assert args.train_args == ['--epochs=3', '-b', '8'] and args.output == str(tmp_path)
     # the child runs that package, even from a folder holding another timm_patchmix
     shadow = tmp_path / 'timm_patchmix'
     shadow.mkdir()
     (shadow / '__init__.py').write_text('raise ImportError("the copy in the working directory")\n')
-    probe = [cmd[0], '-c', pipeline._CHILD.replace('from timm_patchmix.pipeline import cli\nraise SystemExit(cli())',
-                                                   'import timm_patchmix.pipeline as p; print(p.__file__)'), cmd[3]]
-    res = subprocess.run(probe, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    (tmp_path / 'probe.py').write_text('import timm_patchmix.pipeline as p\nprint(p.__file__)\n')
+    probe = children.child_command('pipeline', [])
+    probe[2] = probe[2].replace("raise SystemExit(importlib.import_module('timm_patchmix.' + module).cli())",
+                                "__import__(module)")
+    assert probe[2].endswith('__import__(module)\n')
+    res = subprocess.run(probe[:4] + ['probe'], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == os.path.abspath(pipeline.__file__)
+    plain = subprocess.run([sys.executable, '-c', '__import__("probe")'], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert 'the copy in the working directory' in plain.stderr  # what python -m or a bare import would run

@@ -23,17 +23,15 @@ import argparse
 import json
 import logging
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
+from .children import cores, follow_parent
 from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
 from .viz import render_guided_samples
@@ -585,61 +583,11 @@ def _phase_log(args, seed: int, name: str) -> str:
     return os.path.join(args.output, 'logs', f'seed{seed}_{name}.log')
 
 
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, encoding='utf-8', errors='replace') as fh:
-            return ''.join(fh.readlines()[-lines:])
-    except OSError:
-        return ''
-
-
-PARENT_ENV = 'TIMM_PATCHMIX_PIPELINE_PARENT'  # the pid of the pipeline process that started a --jobs child
-
-
-def _follow_parent() -> None:
-    """In a child of ``--jobs N`` on Linux: get SIGTERM when the pipeline process dies, also by SIGKILL, so that no
-    phase of a killed run goes on beside the rerun that resumes it; exit at once if it has died already."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith('linux'):
-        return
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
-        print(f'warning: this phase cannot ask to be stopped with the pipeline process {parent} '
-              f'(prctl: {os.strerror(ctypes.get_errno())}); if that process is killed, stop this one too', flush=True)
-    if os.getppid() != int(parent):  # it died before the request was in place
-        raise SystemExit(f'the pipeline process {parent} that started this phase is gone')
-
-
-# A --jobs child loads the very package its pipeline process runs, from that package's folder, whatever the child's
-# working directory and sys.path hold (``python -m`` would put the working directory first, where another copy
-# may live); everything else it imports as the pipeline process does.
-_CHILD = """import importlib.util, sys
-init = sys.argv.pop(1)
-spec = importlib.util.spec_from_file_location('timm_patchmix', init)
-module = importlib.util.module_from_spec(spec)
-sys.modules['timm_patchmix'] = module
-spec.loader.exec_module(module)
-from timm_patchmix.pipeline import cli
-raise SystemExit(cli())
-"""
-
-
-def child_command(argv: List[str], seed: int, name: str, threads: int) -> List[str]:
-    """The command line of phase ``name`` of ``seed`` run as a child of ``--jobs N`` with ``argv``: its own flags
+def child_argv(argv: List[str], seed: int, name: str, threads: int) -> List[str]:
+    """The pipeline flags of phase ``name`` of ``seed`` run as a child of ``--jobs N`` with ``argv``: its own flags
     first, since ``--train-args`` takes the rest of the line, and in the ``--flag=value`` form, which a value that
     starts with '-' (a negative seed) needs."""
-    import timm_patchmix
-    return ([sys.executable, '-c', _CHILD, os.path.abspath(timm_patchmix.__file__),
-             f'--run-phase={seed}:{name}', f'--threads={threads}'] + list(argv))
-
-
-def _cores() -> int:
-    """The CPUs this process may run on (its affinity, where the platform says), else the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return [f'--run-phase={seed}:{name}', f'--threads={threads}'] + list(argv)
 
 
 def _wants_download(args) -> bool:
@@ -647,92 +595,30 @@ def _wants_download(args) -> bool:
     return bool(train_parser().parse_args(list(args.train_args)).dataset_download)
 
 
-def _log(*text) -> None:
-    print(*text, flush=True)
+def schedule(args, argv: List[str], threads: int) -> List[str]:
+    """Run the phases that are not done with at most ``args.jobs`` at once, each in a child process with
+    ``threads`` torch threads and its output in ``<output>/logs/`` (:func:`~timm_patchmix.children.run_children`):
+    a phase starts once the phases it reads are done, f_T and what reads it first. With ``--dataset-download`` the
+    first phase runs alone, so that one process downloads the dataset. A finished phase's outputs are checked
+    against the records of the finished phases that read them, as the serial run checks them
+    (:class:`SettingsChangedError`). Returns the phases that failed or did not start ("seed S NAME")."""
+    from .children import child_command, run_children
+    graph = {(s, n): tuple((s, r) for r in reads) for s, n, reads in phases(args)}
+    position = {job: i for i, job in enumerate(graph)}
+    todo = sorted((job for job in graph if not _done(_phase_folder(args, *job))),
+                  key=lambda job: (_PRIORITY.index(job[1]), position[job]))
 
+    def check_inputs(job):
+        missing = _check_finished_inputs(args, job[0])  # a retrained f_T that differs stops the run here
+        if missing:
+            raise MissingPhaseOutputError('\n'.join(missing))
 
-def schedule(args, argv: List[str], threads: int, log=_log) -> List[str]:
-    """Run the phases that are not done with at most ``args.jobs`` at once, each in a child process
-    (:func:`child_command`) with ``threads`` torch threads and its output in ``<output>/logs/``. A phase starts once
-    the phases it reads are done, and no phase those read waits to run (again). With ``--dataset-download`` the
-    first phase runs alone, so that one process downloads the dataset. Returns the phases that failed or could not
-    start because one they read failed ("seed S NAME"). A finished phase's outputs are checked against the records
-    of the finished phases that read them, as the serial run checks them (:class:`SettingsChangedError`). Stopping
-    the pipeline (an exception, SIGTERM, Ctrl-C) stops its running phases; a rerun resumes them."""
-    todo = [(s, n, d) for s, n, d in phases(args) if not _done(_phase_folder(args, s, n))]
-    deps = {(s, n): d for s, n, d in phases(args)}
-    order = {(s, n): (_PRIORITY.index(n), i) for i, (s, n, _) in enumerate(todo)}
-    failed: List[str] = []
-    running: Dict[Tuple[int, str], Tuple[subprocess.Popen, Any, float]] = {}
-    alone = _wants_download(args)  # until one phase has finished
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED='1',
-               **{PARENT_ENV: str(os.getpid())})
-
-    def settled(seed, name):
-        """Done, and not about to be made again: neither it nor a phase it reads is waiting or running."""
-        return ((seed, name) not in running and not any(t[:2] == (seed, name) for t in todo)
-                and _done(_phase_folder(args, seed, name)) and all(settled(seed, d) for d in deps[(seed, name)]))
-
-    unset = object()
-    previous = unset
-    if sys.platform != 'win32' and threading.current_thread() is threading.main_thread():
-        def stop(signum, frame):
-            raise SystemExit(128 + signum)
-        previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        while todo or running:
-            for key, (proc, logf, began) in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                logf.close()
-                del running[key]
-                seed, name = key
-                if proc.returncode == 0 and _done(_phase_folder(args, seed, name)):
-                    log(f'[seed {seed}] {name} done ({time.monotonic() - began:.0f} s)')
-                    alone = False
-                    missing = _check_finished_inputs(args, seed)  # a changed f_T or table stops the run here
-                    if missing:
-                        raise MissingPhaseOutputError('\n'.join(missing))
-                    continue
-                failed.append(f'seed {seed} {name}')
-                path = _phase_log(args, seed, name)
-                log(f'[seed {seed}] {name} FAILED (exit status {proc.returncode}); the end of {path}:\n'
-                    f'{_tail(path)}')
-            for s, n, d in list(todo):
-                if any(f'seed {s} {x}' in failed for x in d):
-                    todo.remove((s, n, d))
-                    failed.append(f'seed {s} {n}')
-                    log(f'[seed {s}] {n} not started: a phase it reads failed')
-            ready = sorted((t for t in todo if all(settled(t[0], x) for x in t[2])), key=lambda t: order[t[:2]])
-            for s, n, d in ready[:max(0, (1 if alone else args.jobs) - len(running))]:
-                todo.remove((s, n, d))
-                path = _phase_log(args, s, n)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                logf = open(path, 'a', encoding='utf-8')
-                proc = subprocess.Popen(child_command(argv, s, n, threads), stdout=logf, stderr=subprocess.STDOUT,
-                                        env=env)
-                running[(s, n)] = (proc, logf, time.monotonic())
-                log(f'[seed {s}] {n} started (log: {path})')
-            if not running and todo:  # pragma: no cover -- every phase's inputs are phases of this same run
-                raise RuntimeError(f'no phase can start: {todo}')
-            if running:
-                time.sleep(0.2)
-    finally:
-        try:
-            for proc, _, _ in running.values():
-                proc.terminate()
-            for proc, _, _ in running.values():
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        finally:
-            for _, logf, _ in running.values():
-                logf.close()
-            if previous is not unset:
-                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-    return failed
+    failed = run_children(todo, graph, slots=args.jobs, threads=threads,
+                          command=lambda job: child_command('pipeline', child_argv(argv, *job, threads)),
+                          log_path=lambda job: _phase_log(args, *job), label=lambda job: f'[seed {job[0]}] {job[1]}',
+                          is_done=lambda job: _done(_phase_folder(args, *job)), noun='phase',
+                          alone_first=_wants_download(args), on_done=check_inputs)
+    return [f'seed {s} {n}' for s, n in failed]
 
 
 def main(argv=None, *, on_train_step=None) -> str:
@@ -743,12 +629,12 @@ def main(argv=None, *, on_train_step=None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    threads = args.threads or (max(1, _cores() // args.jobs) if args.jobs > 1 else 0)
+    threads = args.threads or (max(1, cores() // args.jobs) if args.jobs > 1 else 0)
     if args.run_phase is not None:  # a child of --jobs N: one phase, no report
         seed, _, name = args.run_phase.partition(':')
         if not any(f'{s}:{n}' == args.run_phase for s, n, _ in phases(args)):
             parser.error(f'--run-phase {args.run_phase!r} is not a phase of this run (SEED:NAME)')
-        _follow_parent()
+        follow_parent()
         if threads:
             torch.set_num_threads(threads)
         run_phase(args, int(seed), name, _Trainer(on_train_step))

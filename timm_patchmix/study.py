@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -317,53 +316,36 @@ def _needed(tasks: Dict[str, Task], patterns: Optional[Sequence[str]]) -> List[s
 def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, threads: int, study_args: List[str],
              log=print) -> List[str]:
     """Run ``names`` with at most ``jobs`` at once (in this process when 1; child processes get ``study_args``,
-    the flags that chose the study's settings); the names that failed (with those that depend on them)."""
+    the flags that chose the study's settings, see :func:`~timm_patchmix.children.run_children`); the names that
+    failed (with those that depend on them)."""
     pending = [n for n in names if _done_record(out, n) is None]
+    if jobs > 1:
+        from .children import child_command, run_children
+        return run_children(
+            pending, {n: t.deps for n, t in tasks.items()}, slots=jobs, threads=threads,
+            command=lambda n: child_command('study', ['--output', out, '--run-task', n, '--threads', str(threads)]
+                                            + list(study_args)),
+            log_path=lambda n: os.path.join(_folder(out, n), 'log.txt'), label=lambda n: f'[study] {n}',
+            is_done=lambda n: _done_record(out, n) is not None, noun='task', log=log)
     failed: List[str] = []
-    running: Dict[str, Tuple[subprocess.Popen, Any]] = {}
-    while pending or running:
-        for n, (proc, logf) in list(running.items()):
-            if proc.poll() is not None:
-                logf.close()
-                del running[n]
-                if proc.returncode != 0 or _done_record(out, n) is None:
-                    failed.append(n)
-                    log(f'[study] FAILED {n} (exit {proc.returncode}; see {_folder(out, n)}/log.txt)')
-                else:
-                    log(f'[study] done {n} ({_done_record(out, n)["wall_s"]:.0f} s)')
+    while pending:
         blocked = [n for n in pending if any(d in failed for d in tasks[n].deps)]
         for n in blocked:
             pending.remove(n)
             failed.append(n)
             log(f'[study] skipped {n}: a task it needs failed')
         ready = [n for n in pending if all(_done_record(out, d) is not None for d in tasks[n].deps)]
-        if jobs == 1:
-            if not ready:
-                break
-            n = ready[0]
-            pending.remove(n)
-            log(f'[study] running {n}')
-            try:
-                info = run_task(out, tasks[n])
-                log(f'[study] done {n} ({info["wall_s"]:.0f} s)')
-            except Exception as e:  # noqa: BLE001 -- one task's failure must not stop the others
-                failed.append(n)
-                log(f'[study] FAILED {n}: {type(e).__name__}: {e}')
-            continue
-        while ready and len(running) < jobs:
-            n = ready.pop(0)
-            pending.remove(n)
-            os.makedirs(_folder(out, n), exist_ok=True)
-            logf = open(os.path.join(_folder(out, n), 'log.txt'), 'a', encoding='utf-8')
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-            cmd = [sys.executable, '-m', 'timm_patchmix.study', '--output', out, '--run-task', n,
-                   '--threads', str(threads)] + list(study_args)
-            running[n] = (subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
-            log(f'[study] started {n}')
-        if running:
-            time.sleep(0.5)
-        elif not ready and pending:
-            break  # nothing can start: dependencies outside this invocation's tasks are not done
+        if not ready:
+            break
+        n = ready[0]
+        pending.remove(n)
+        log(f'[study] running {n}')
+        try:
+            info = run_task(out, tasks[n])
+            log(f'[study] done {n} ({info["wall_s"]:.0f} s)')
+        except Exception as e:  # noqa: BLE001 -- one task's failure must not stop the others
+            failed.append(n)
+            log(f'[study] FAILED {n}: {type(e).__name__}: {e}')
     return failed
 
 
@@ -624,8 +606,11 @@ def main(argv=None, log=print) -> int:
     cfg = dict(QUICK if args.quick else FULL, **overrides)
     tasks = build_tasks(cfg)
     budget_args = [a for k, v in overrides.items() for a in (f'--{k.replace("_", "-")}', str(v))]
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    from .children import cores
+    threads = args.threads or max(1, cores() // args.jobs)
     if args.run_task:  # a child of --jobs N
+        from .children import follow_parent
+        follow_parent()
         import torch
         torch.set_num_threads(threads)
         run_task(args.output, tasks[args.run_task])
