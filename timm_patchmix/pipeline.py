@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
-from .children import cores, follow_parent
+from .children import child_command, cores, follow_parent, run_children
 from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
 from .viz import render_guided_samples
@@ -239,17 +239,11 @@ def _check_all_phases(args) -> None:
     writes nothing. Files that earlier phases make (f_T, the table) are compared by content here when those phases
     are finished (and again when the phase reading them starts); a finished phase that lacks such a file raises
     :class:`MissingPhaseOutputError`."""
+    for seed, name, _ in phases(args):
+        _check_phase(args, _phase_folder(args, seed, name),
+                     _phase_settings(args, seed, _guided_settings(args) if name == 'guided_pm' else None))
     missing = []
-    for seed in args.seeds:
-        root = os.path.join(args.output, f'seed{seed}')
-        names = [m for m in ('base', 'mixup', 'cutmix') if m in args.methods]
-        if 'random_pm' in args.methods or 'guided_pm' in args.methods:
-            names.append('random_pm')
-        if 'guided_pm' in args.methods:
-            names += ['search', 'guided_pm']
-        for name in names:
-            _check_phase(args, os.path.join(root, name),
-                         _phase_settings(args, seed, _guided_settings(args) if name == 'guided_pm' else None))
+    for seed in dict.fromkeys(args.seeds):
         missing += _check_finished_inputs(args, seed)
     if missing:
         raise MissingPhaseOutputError('\n'.join(missing))
@@ -318,7 +312,7 @@ def run_record(name: str, seed: int, folder: str, res) -> Dict[str, Any]:
 
 def _search(args, seed: int, checkpoint: str) -> str:
     from .search import parse_config, search
-    folder = os.path.join(args.output, f'seed{seed}', 'search')
+    folder = _phase_folder(args, seed, 'search')
     table = _search_table(folder)
     _begin_phase(args, folder, _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
     if _done(folder):
@@ -602,7 +596,6 @@ def schedule(args, argv: List[str], threads: int) -> List[str]:
     first phase runs alone, so that one process downloads the dataset. A finished phase's outputs are checked
     against the records of the finished phases that read them, as the serial run checks them
     (:class:`SettingsChangedError`). Returns the phases that failed or did not start ("seed S NAME")."""
-    from .children import child_command, run_children
     graph = {(s, n): tuple((s, r) for r in reads) for s, n, reads in phases(args)}
     position = {job: i for i, job in enumerate(graph)}
     todo = sorted((job for job in graph if not _done(_phase_folder(args, *job))),
