@@ -33,6 +33,7 @@ import torch
 from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
 from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
+from .locking import FolderBusyError, hold_folder
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
 from .viz import render_guided_samples
 
@@ -243,7 +244,7 @@ def _check_all_phases(args) -> None:
         _check_phase(args, _phase_folder(args, seed, name),
                      _phase_settings(args, seed, _guided_settings(args) if name == 'guided_pm' else None))
     missing = []
-    for seed in dict.fromkeys(args.seeds):
+    for seed in args.seeds:
         missing += _check_finished_inputs(args, seed)
     if missing:
         raise MissingPhaseOutputError('\n'.join(missing))
@@ -536,7 +537,7 @@ _PRIORITY = ('search', 'guided_pm', 'random_pm', 'base', 'mixup', 'cutmix')
 def phases(args) -> List[Tuple[int, str, Tuple[str, ...]]]:
     """``(seed, name, names it reads)`` of every phase the run needs, in the order one process runs them."""
     out = []
-    for seed in dict.fromkeys(args.seeds):  # a seed given twice runs once
+    for seed in args.seeds:
         out += [(seed, m, ()) for m in ('base', 'mixup', 'cutmix') if m in args.methods]
         if 'random_pm' in args.methods or 'guided_pm' in args.methods:
             out.append((seed, 'random_pm', ()))
@@ -622,6 +623,10 @@ def main(argv=None, *, on_train_step=None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
+    if repeated:
+        parser.error(f'argument --seeds: seed {", ".join(map(str, repeated))} given more than once (each seed is '
+                     f'one run of every method)')
     threads = args.threads or (max(1, cores() // args.jobs) if args.jobs > 1 else 0)
     if args.run_phase is not None:  # a child of --jobs N: one phase, no report
         seed, _, name = args.run_phase.partition(':')
@@ -636,7 +641,11 @@ def main(argv=None, *, on_train_step=None) -> str:
         raise ValueError('on_train_step needs --jobs 1: with --jobs N the phases run in other processes')
     _check_train_args(parser, args)
     _check_all_phases(args)
-    os.makedirs(args.output, exist_ok=True)
+    with hold_folder(args.output, 'pipeline'):  # a second pipeline on this --output stops here
+        return _run(args, argv, threads, on_train_step, started)
+
+
+def _run(args, argv: List[str], threads: int, on_train_step, started: float) -> str:
     if args.jobs > 1:
         failed = schedule(args, argv, threads)
         if failed:
@@ -677,7 +686,8 @@ def cli(argv=None) -> int:
     except (SettingsChangedError, ConfigError) as e:  # a rerun with changed settings; flags a training cannot use
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
-    except (TrainSetupError, SearchError, CheckpointError) as e:  # a phase cannot start (a missing dataset...)
+    # a phase cannot start (a missing dataset...), or another pipeline is writing to this --output
+    except (TrainSetupError, SearchError, CheckpointError, FolderBusyError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except NonFiniteLossError as e:  # a training phase diverged; rerunning resumes from its last finished epoch

@@ -38,10 +38,12 @@ import shutil
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
+from .locking import FolderBusyError, hold_folder
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, read_settings, write_settings
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
@@ -630,20 +632,21 @@ def main(argv=None, log=print) -> int:
         return 0
     if args.tasks and not _needed(tasks, args.tasks):
         raise SystemExit(f'no task matches {args.tasks}; see --list')
-    os.makedirs(args.output, exist_ok=True)
-    if recorded is None:
-        write_settings(record, now)
-    if not args.report:
-        import torch
-        if args.jobs == 1:
-            torch.set_num_threads(threads)
-        started = time.monotonic()
-        failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads,
-                          (['--quick'] if args.quick else []) + budget_args, log)
-        log(f'[study] this invocation: {(time.monotonic() - started) / 60:.1f} min')
-    else:
-        failed = []
-    text = report(args.output, cfg, tasks, args.quick)
+    failed = []
+    # one study runs its tasks in a folder at a time (a second one stops here); --report only reads the tasks
+    with hold_folder(args.output, 'study') if not args.report else nullcontext():
+        os.makedirs(args.output, exist_ok=True)
+        if recorded is None:
+            write_settings(record, now)
+        if not args.report:
+            import torch
+            if args.jobs == 1:
+                torch.set_num_threads(threads)
+            started = time.monotonic()
+            failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads,
+                              (['--quick'] if args.quick else []) + budget_args, log)
+            log(f'[study] this invocation: {(time.monotonic() - started) / 60:.1f} min')
+        text = report(args.output, cfg, tasks, args.quick)
     log(text)
     if failed:
         log(f'[study] {len(failed)} task(s) failed or were skipped: {", ".join(failed)}; rerun to retry them')
@@ -659,6 +662,9 @@ def cli(argv=None) -> int:
     except SettingsChangedError as e:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
+    except FolderBusyError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 1
 
 
 if __name__ == '__main__':

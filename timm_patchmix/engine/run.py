@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -10,7 +11,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..locking import hold_folder
 from .config import TrainConfig, resolve
+from .errors import TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
@@ -174,35 +177,37 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
                       autocast, scaler, start.updates, frozen)
     out_dir = _out_dir(cfg)
-    if rt.primary:
-        write_start(out_dir, cfg, start.rows)
-        n_params = sum(p.numel() for p in model.parameters())
-        if cfg.linear_probe:
-            n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            _say(rt, f'--linear-probe: {n_train} of {n_params} parameters train, the rest of the model is frozen '
-                     f'in eval mode')
-        images = (f'{len(data.train)} train / {len(data.val)} held-out val ({cfg.holdout:g} of split '
-                  f'{cfg.train_split!r}, seed {cfg.holdout_seed}) / {len(data.test)} test images'
-                  if data.test is not None else f'{len(data.train)} train / {len(data.val)} val images')
-        _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
-                 f'epochs, batch {cfg.batch_size} x {rt.world_size}, lr {cfg.lr:g}, output {out_dir}')
-    writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
-                          weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper)
-    rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, writer, on_step)
-    test = None
-    if loaders.test is not None:  # the test split, once: the final weights first
-        test = {'final': _test_row(rows[-1]['epoch'] if rows else None,
-                                   validate(model, loaders.test, cfg, rt.device, stepper.autocast))}
-    fgsm = _fgsm(cfg, model, data, rt, out_dir) if cfg.fgsm and rt.primary else None
-    if test is not None:
-        test['best'] = _test_best(cfg, rt, model, loaders, stepper, out_dir, best, test['final'])
-    splits = data.splits(cfg)
-    if test is not None and rt.primary:
-        _write_results(out_dir, cfg, splits, test, best)
-        _say(rt, f"test split {cfg.val_split!r} ({splits['test_images']} images): final top1 "
-                 f"{test['final']['test_top1']:.2f}, best epoch ({test['best']['epoch']}) top1 "
-                 f"{test['best']['test_top1']:.2f}")
-    return _result(cfg, out_dir, rows, best, fgsm, test, splits)
+    # one process writes a run folder at a time: a second run on it stops here, before it writes anything
+    with hold_folder(out_dir, 'training run', TrainSetupError) if rt.primary else nullcontext():
+        if rt.primary:
+            write_start(out_dir, cfg, start.rows)
+            n_params = sum(p.numel() for p in model.parameters())
+            if cfg.linear_probe:
+                n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                _say(rt, f'--linear-probe: {n_train} of {n_params} parameters train, the rest of the model is frozen '
+                         f'in eval mode')
+            images = (f'{len(data.train)} train / {len(data.val)} held-out val ({cfg.holdout:g} of split '
+                      f'{cfg.train_split!r}, seed {cfg.holdout_seed}) / {len(data.test)} test images'
+                      if data.test is not None else f'{len(data.train)} train / {len(data.val)} val images')
+            _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
+                     f'epochs, batch {cfg.batch_size} x {rt.world_size}, lr {cfg.lr:g}, output {out_dir}')
+        writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
+                              weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper)
+        rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, writer, on_step)
+        test = None
+        if loaders.test is not None:  # the test split, once: the final weights first
+            test = {'final': _test_row(rows[-1]['epoch'] if rows else None,
+                                       validate(model, loaders.test, cfg, rt.device, stepper.autocast))}
+        fgsm = _fgsm(cfg, model, data, rt, out_dir) if cfg.fgsm and rt.primary else None
+        if test is not None:
+            test['best'] = _test_best(cfg, rt, model, loaders, stepper, out_dir, best, test['final'])
+        splits = data.splits(cfg)
+        if test is not None and rt.primary:
+            _write_results(out_dir, cfg, splits, test, best)
+            _say(rt, f"test split {cfg.val_split!r} ({splits['test_images']} images): final top1 "
+                     f"{test['final']['test_top1']:.2f}, best epoch ({test['best']['epoch']}) top1 "
+                     f"{test['best']['test_top1']:.2f}")
+        return _result(cfg, out_dir, rows, best, fgsm, test, splits)
 
 
 def _test_row(epoch: Optional[int], ev: Dict[str, float]) -> Dict[str, Any]:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import csv
 import io
 import os
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
+from ..locking import hold_folder
 from .config import SearchConfig, SearchResult
-from .core import GenerationCallback, Search
+from .core import GenerationCallback, Search, SearchError
 
 __all__ = ['search', 'write_logbook']
 
@@ -34,41 +36,42 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
     from tqdm import tqdm
     s = Search.from_checkpoint(cfg)
     rank = _rank()
-    if rank == 0:
-        os.makedirs(cfg.output, exist_ok=True)
-        print(f'search: {s.num_classes} classes, {len(s.space)} pairs, N={s.n_active}, K={cfg.k}, population '
-              f'{cfg.population}, {cfg.generations} generations, grid {s.grid[0]}x{s.grid[1]}, fitness '
-              f'{cfg.fitness} {cfg.score}, scored on {_scored_on(s.record)}', flush=True)
-    bar = tqdm(total=cfg.generations, initial=s.gen, desc='search', unit='gen',
-               disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
-
-    def after(search_: Search, row: Dict[str, Any]) -> None:
+    # one process writes a search folder at a time: a second search on it stops here, before it writes anything
+    with hold_folder(cfg.output, 'search', SearchError) if rank == 0 else nullcontext():
         if rank == 0:
-            search_.save_state()
-        if row['gen'] > 0:  # generation 0 is the initial population, before the bar's first step
-            bar.update(1)
-            bar.set_postfix(best=f"{row['hof_best']:.4f}", mean=f"{row['mean']:.4f}",
-                            hit=f"{row['cache_hit_rate']:.2f}")
-            if not cfg.progress and rank == 0:
-                print(f"gen {row['gen']}: best {row['hof_best']:.4f} mean {row['mean']:.4f} new genes "
-                      f"{row['new_genes']} hit rate {row['cache_hit_rate']:.3f}", flush=True)
-        if on_generation is not None:
-            on_generation(search_, row)
-    try:
-        table = s.run(on_generation=after)
-    finally:
-        bar.close()
-    path = os.path.join(cfg.output, 'masks.json')
-    if rank == 0:
-        table.save(path)
-        write_logbook(s.logbook, os.path.join(cfg.output, 'logbook.csv'))
-        if cfg.plots:
-            from ..viz import plot_fitness, plot_pairs
-            plot_fitness(s.logbook, os.path.join(cfg.output, 'fitness.png'), cfg.fitness, cfg.score)
-            plot_pairs(table, os.path.join(cfg.output, 'pairs.png'))
-    return SearchResult(table=table, table_path=path, output=cfg.output, best_fitness=table.best_fitness,
-                        generations=s.gen, stopped_early=s.gen < cfg.generations, logbook=tuple(s.logbook),
-                        forward_images=s.scorer.forward_images)
+            print(f'search: {s.num_classes} classes, {len(s.space)} pairs, N={s.n_active}, K={cfg.k}, population '
+                  f'{cfg.population}, {cfg.generations} generations, grid {s.grid[0]}x{s.grid[1]}, fitness '
+                  f'{cfg.fitness} {cfg.score}, scored on {_scored_on(s.record)}', flush=True)
+        bar = tqdm(total=cfg.generations, initial=s.gen, desc='search', unit='gen',
+                   disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
+
+        def after(search_: Search, row: Dict[str, Any]) -> None:
+            if rank == 0:
+                search_.save_state()
+            if row['gen'] > 0:  # generation 0 is the initial population, before the bar's first step
+                bar.update(1)
+                bar.set_postfix(best=f"{row['hof_best']:.4f}", mean=f"{row['mean']:.4f}",
+                                hit=f"{row['cache_hit_rate']:.2f}")
+                if not cfg.progress and rank == 0:
+                    print(f"gen {row['gen']}: best {row['hof_best']:.4f} mean {row['mean']:.4f} new genes "
+                          f"{row['new_genes']} hit rate {row['cache_hit_rate']:.3f}", flush=True)
+            if on_generation is not None:
+                on_generation(search_, row)
+        try:
+            table = s.run(on_generation=after)
+        finally:
+            bar.close()
+        path = os.path.join(cfg.output, 'masks.json')
+        if rank == 0:
+            table.save(path)
+            write_logbook(s.logbook, os.path.join(cfg.output, 'logbook.csv'))
+            if cfg.plots:
+                from ..viz import plot_fitness, plot_pairs
+                plot_fitness(s.logbook, os.path.join(cfg.output, 'fitness.png'), cfg.fitness, cfg.score)
+                plot_pairs(table, os.path.join(cfg.output, 'pairs.png'))
+        return SearchResult(table=table, table_path=path, output=cfg.output, best_fitness=table.best_fitness,
+                            generations=s.gen, stopped_early=s.gen < cfg.generations, logbook=tuple(s.logbook),
+                            forward_images=s.scorer.forward_images)
 
 
 def _scored_on(record: Dict[str, Any]) -> str:

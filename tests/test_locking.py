@@ -1,0 +1,158 @@
+"""One writer per output folder: a second training run, search, pipeline or study started on a folder that another
+process is writing to stops at once with an error naming the folder and that process, and writes nothing; the lock
+ends with its holder, however that ends."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from timm_patchmix import study
+from timm_patchmix.locking import FolderBusyError, hold_folder, holder_pid
+from timm_patchmix.pipeline import cli as pipeline_cli
+from timm_patchmix.search import main as search_main
+from timm_patchmix.train import main as train_main
+from test_resume_settings import snapshot
+from test_search import SMALL, make_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')])),
+           OMP_NUM_THREADS='1')
+HOLD = """import sys, time
+from timm_patchmix.locking import hold_folder
+with hold_folder(sys.argv[1], 'test'):
+    print('held', flush=True)
+    time.sleep(600)
+"""
+TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '2']
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith('linux'), reason='flock and /proc/locks: Linux')
+
+
+@contextlib.contextmanager
+def held(path):
+    """Another process holding ``path`` as every command of the project does, until the block ends (SIGKILL)."""
+    proc = subprocess.Popen([sys.executable, '-c', HOLD, str(path)], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert proc.stdout.readline().strip() == 'held'
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_second_holder_is_refused_with_the_holders_pid_and_a_killed_holder_frees_the_folder(tmp_path):
+    folder = tmp_path / 'out'
+    with held(folder) as proc:
+        assert os.listdir(folder) == []  # the lock leaves no file behind
+        assert holder_pid(str(folder)) == proc.pid
+        with pytest.raises(FolderBusyError) as e:
+            with hold_folder(str(folder), 'training run'):
+                pytest.fail('the block ran while another process held the folder')
+        assert str(folder) in str(e.value) and f'process {proc.pid}' in str(e.value)
+        assert 'give this training run another --output' in str(e.value)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with hold_folder(str(folder), 'training run'):  # no stale lock after SIGKILL
+        assert holder_pid(str(folder)) == os.getpid()
+    assert holder_pid(str(folder)) is None
+    assert os.listdir(folder) == []
+
+
+def test_the_error_class_is_the_callers_and_one_process_cannot_hold_a_folder_twice(tmp_path):
+    class Mine(RuntimeError):
+        pass
+    with hold_folder(str(tmp_path), 'search'):
+        with pytest.raises(Mine, match='is in use'):
+            with hold_folder(str(tmp_path), 'search', Mine):
+                pass
+
+
+def test_the_block_end_frees_the_folder_while_a_forked_process_that_shares_the_lock_lives(tmp_path):
+    with hold_folder(str(tmp_path), 'training run'):
+        pid = os.fork()  # a DataLoader worker, say: it shares the locked descriptor
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+    try:
+        with held(tmp_path):  # another process gets the folder although the fork still has the descriptor
+            pass
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_train_on_a_folder_another_run_writes_stops_before_writing(tmp_path):
+    """Two real runs: while this process trains into run/, train.py on the same folder exits 1 naming this
+    process, and this run's files come out whole."""
+    second = {}
+
+    def on_step(ev):
+        if not second:
+            second['proc'] = subprocess.run(
+                [sys.executable, 'train.py'] + TINY + ['--output', str(tmp_path), '--experiment', 'run'],
+                cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    res = train_main(TINY + ['--output', str(tmp_path), '--experiment', 'run'], on_step=on_step)
+    proc = second['proc']
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f'{tmp_path / "run"} is in use' in proc.stderr and f'process {os.getpid()}' in proc.stderr
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+    with open(tmp_path / 'run' / 'summary.csv') as f:
+        assert len(f.read().splitlines()) == 3  # header and both epochs: the refused run wrote nothing
+
+    # a resume refused while the folder is held changes no byte of it
+    before = snapshot(tmp_path / 'run')
+    resume = TINY + ['--epochs', '3', '--resume', str(tmp_path / 'run' / 'state.safetensors')]
+    with held(tmp_path / 'run'):
+        with pytest.raises(SystemExit, match='is in use'):
+            train_main(resume)
+    assert snapshot(tmp_path / 'run') == before
+    assert [r['epoch'] for r in train_main(resume)['rows']] == [0, 1, 2]  # free again: it resumes
+
+
+def test_search_on_a_held_folder_writes_nothing(tmp_path):
+    ckpt = make_checkpoint(str(tmp_path / 'ft.safetensors'))
+    out = tmp_path / 'search'
+    with held(out) as proc:
+        with pytest.raises(SystemExit, match=f'is in use: another process is writing there now \\(process '
+                                             f'{proc.pid}'):
+            search_main(['--checkpoint', ckpt, '--output', str(out)] + SMALL)
+    assert os.listdir(out) == []
+
+
+def test_study_on_a_held_folder_exits_1_and_writes_nothing_while_list_still_reads(tmp_path, capsys):
+    out = str(tmp_path / 'study')
+    with held(out):
+        assert study.cli(['--quick', '--output', out]) == 1
+        assert 'is in use' in capsys.readouterr().err
+        assert os.listdir(out) == []
+        assert study.main(['--quick', '--output', out, '--list']) == 0  # reading is not writing
+
+
+def test_a_second_pipeline_on_one_output_exits_1_naming_the_first(tmp_path, capsys):
+    out = tmp_path / 'p'
+    first = subprocess.Popen([sys.executable, '-m', 'timm_patchmix.pipeline', '--output', str(out)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        deadline = time.monotonic() + 240
+        while holder_pid(str(out)) != first.pid:  # the pipeline holds its --output before any phase begins
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert pipeline_cli(['--output', str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f'{out} is in use' in err and f'process {first.pid}' in err and 'timm_patchmix.pipeline' in err
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_seed_given_twice_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        pipeline_cli(['--output', str(tmp_path / 'p'), '--seeds', '0', '1', '0'])
+    assert e.value.code == 2
+    assert 'argument --seeds: seed 0 given more than once' in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / 'p')

@@ -1,0 +1,106 @@
+"""One writer per output folder: a training run, a search, a pipeline or a study holds an exclusive lock on its
+folder while it writes there, so that a second command started on the same folder (a rerun typed while the first
+still runs, a second terminal) stops at once with an error that names the folder, instead of both writing the same
+checkpoints, ``summary.csv`` or search state.
+
+The lock is ``flock`` on the folder itself: no file is left in the folder, and the operating system drops the lock
+when the holder exits, however it ends (SIGKILL and power loss included), so a killed run never leaves a stale lock
+behind and its rerun resumes at once. Where ``flock`` is unavailable (Windows) or refused (some network file
+systems), a warning says so and the command runs without the lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import warnings
+from typing import Iterator, Optional, Type
+
+__all__ = ['FolderBusyError', 'hold_folder', 'holder_pid']
+
+
+class FolderBusyError(RuntimeError):
+    """Another process holds the output folder (:func:`hold_folder`)."""
+
+
+def holder_pid(path: str) -> Optional[int]:
+    """The process that holds a ``flock`` on ``path``, read from Linux's ``/proc/locks``; ``None`` where that cannot
+    be told. For the error message only: whether the folder is taken is decided by ``flock`` itself."""
+    try:
+        st = os.stat(path)
+        with open('/proc/locks', encoding='ascii') as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line has "->" after the number
+        if len(parts) < 6 or parts[1] != 'FLOCK' or parts[2] == '->':
+            continue
+        try:
+            major, minor, inode = parts[5].split(':')
+            if (int(major, 16), int(minor, 16), int(inode)) == want:
+                return int(parts[4])
+        except ValueError:
+            continue
+    return None
+
+
+def _command_of(pid: int) -> str:
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as fh:
+            args = fh.read().rstrip(b'\0').split(b'\0')
+    except OSError:
+        return ''
+    text = ' '.join(a.decode('utf-8', 'replace') for a in args)
+    return text if len(text) <= 200 else text[:197] + '...'
+
+
+@contextlib.contextmanager
+def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) -> Iterator[None]:
+    """Create ``path`` if needed and hold an exclusive lock on it for the ``with`` block; ``what`` names the command
+    in the message (``'training run'``, ``'search'``...). Raises ``error`` at once, before the block runs, when
+    another process holds the folder. Nothing is written to the folder.
+
+    One process must not hold the same folder twice (a second ``hold_folder`` on it raises, as from another
+    process). Processes forked inside the block (DataLoader workers) share the lock: it ends with the block even
+    while they live on, and their exit does not end it early."""
+    os.makedirs(path, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        _unlocked(path, 'this platform has no flock')
+        yield
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
+    try:
+        locked = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                locked = False
+                _unlocked(path, f'flock refused: {e.strerror}')
+            else:
+                pid = holder_pid(path)
+                by = ''
+                if pid is not None:
+                    command = _command_of(pid)
+                    by = f' (process {pid}' + (f': {command}' if command else '') + ')'
+                raise error(f'{path} is in use: another process is writing there now{by}. Wait for it to end or '
+                            f'stop it, or give this {what} another --output.') from None
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked processes that share the descriptor
+    finally:
+        os.close(fd)
+
+
+def _unlocked(path: str, why: str) -> None:
+    warnings.warn(f'{path}: {why}, so nothing stops a second command from writing to this folder at the same '
+                  f'time; run one at a time there', RuntimeWarning, stacklevel=3)
+    sys.stderr.flush()
