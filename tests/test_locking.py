@@ -74,16 +74,47 @@ def test_the_error_class_is_the_callers_and_one_process_cannot_hold_a_folder_twi
 
 def test_the_block_end_frees_the_folder_while_a_forked_process_that_shares_the_lock_lives(tmp_path):
     with hold_folder(str(tmp_path), 'training run'):
-        pid = os.fork()  # a DataLoader worker, say: it shares the locked descriptor
+        pid = os.fork()  # a DataLoader worker, say
         if pid == 0:
             time.sleep(60)
             os._exit(0)
     try:
-        with held(tmp_path):  # another process gets the folder although the fork still has the descriptor
+        with held(tmp_path):  # another process gets the folder while the fork lives
             pass
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+HOLD_AND_FORK = """import os, sys, time
+from timm_patchmix.locking import hold_folder
+with hold_folder(sys.argv[1], 'test'):
+    child = os.fork()
+    if child == 0:  # a DataLoader worker, say, that outlives its killed parent for a while
+        time.sleep(600)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_holders_forked_child_does_not_keep_the_folder(tmp_path):
+    proc = subprocess.Popen([sys.executable, '-c', HOLD_AND_FORK, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env=ENV)
+    child = int(proc.stdout.readline())
+    try:
+        assert holder_pid(str(tmp_path)) == proc.pid
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # still alive, with the parent's descriptors but the locked one
+        with hold_folder(str(tmp_path), 'training run'):
+            assert holder_pid(str(tmp_path)) == os.getpid()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_train_on_a_folder_another_run_writes_stops_before_writing(tmp_path):

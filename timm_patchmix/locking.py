@@ -5,7 +5,9 @@ checkpoints, ``summary.csv`` or search state.
 
 The lock is ``flock`` on the folder itself: no file is left in the folder, and the operating system drops the lock
 when the holder exits, however it ends (SIGKILL and power loss included), so a killed run never leaves a stale lock
-behind and its rerun resumes at once. Where ``flock`` is unavailable (Windows) or refused (some network file
+behind and its rerun resumes at once. A process forked while a folder is held (a DataLoader worker) closes its copy
+of the locked descriptor at once, so the lock belongs to the holder alone: a worker that outlives a killed holder
+by a few seconds does not keep the folder. Where ``flock`` is unavailable (Windows) or refused (some network file
 systems), a warning says so and the command runs without the lock.
 """
 from __future__ import annotations
@@ -15,13 +17,35 @@ import errno
 import os
 import sys
 import warnings
-from typing import Iterator, Optional, Type
+from typing import Iterator, Optional, Set, Type
 
 __all__ = ['FolderBusyError', 'hold_folder', 'holder_pid']
 
 
 class FolderBusyError(RuntimeError):
     """Another process holds the output folder (:func:`hold_folder`)."""
+
+
+class _Held:
+    def __init__(self, fd: int):
+        self.fd, self.pid = fd, os.getpid()
+
+
+_HELD: Set[_Held] = set()  # the folders this process holds
+
+
+def _forked() -> None:
+    """In a child just forked: give up the parent's locked descriptors (closing a copy leaves the parent's lock)."""
+    for held in list(_HELD):
+        try:
+            os.close(held.fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def holder_pid(path: str) -> Optional[int]:
@@ -65,8 +89,8 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
     another process holds the folder. Nothing is written to the folder.
 
     One process must not hold the same folder twice (a second ``hold_folder`` on it raises, as from another
-    process). Processes forked inside the block (DataLoader workers) share the lock: it ends with the block even
-    while they live on, and their exit does not end it early."""
+    process). A process forked inside the block does not hold the folder (its copy of the descriptor is closed at
+    the fork), and leaving the block there releases nothing."""
     os.makedirs(path, exist_ok=True)
     try:
         import fcntl
@@ -74,14 +98,15 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
         _unlocked(path, 'this platform has no flock')
         yield
         return
-    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
+    held = _Held(os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0)))
+    _HELD.add(held)  # from here on a fork closes the child's copy
     try:
-        locked = True
+        locked = False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(held.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                locked = False
                 _unlocked(path, f'flock refused: {e.strerror}')
             else:
                 pid = holder_pid(path)
@@ -91,13 +116,13 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
                     by = f' (process {pid}' + (f': {command}' if command else '') + ')'
                 raise error(f'{path} is in use: another process is writing there now{by}. Wait for it to end or '
                             f'stop it, or give this {what} another --output.') from None
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked processes that share the descriptor
+        yield
     finally:
-        os.close(fd)
+        if held.pid == os.getpid():  # a forked child that leaves the block has closed its copy already
+            _HELD.discard(held)
+            if locked:
+                fcntl.flock(held.fd, fcntl.LOCK_UN)
+            os.close(held.fd)
 
 
 def _unlocked(path: str, why: str) -> None:
