@@ -54,7 +54,7 @@ def test_second_holder_is_refused_with_the_holders_pid_and_a_killed_holder_frees
             with hold_folder(str(folder), 'training run'):
                 pytest.fail('the block ran while another process held the folder')
         assert str(folder) in str(e.value) and f'process {proc.pid}' in str(e.value)
-        assert 'give this training run another --output' in str(e.value)
+        assert 'give this training run another output folder' in str(e.value)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     with hold_folder(str(folder), 'training run'):  # no stale lock after SIGKILL

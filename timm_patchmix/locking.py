@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import sys
 import warnings
 from typing import Iterator, Optional, Set, Type
 
@@ -115,7 +114,7 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
                     command = _command_of(pid)
                     by = f' (process {pid}' + (f': {command}' if command else '') + ')'
                 raise error(f'{path} is in use: another process is writing there now{by}. Wait for it to end or '
-                            f'stop it, or give this {what} another --output.') from None
+                            f'stop it, or give this {what} another output folder.') from None
         yield
     finally:
         if held.pid == os.getpid():  # a forked child that leaves the block has closed its copy already
@@ -128,4 +127,3 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
 def _unlocked(path: str, why: str) -> None:
     warnings.warn(f'{path}: {why}, so nothing stops a second command from writing to this folder at the same '
                   f'time; run one at a time there', RuntimeWarning, stacklevel=3)
-    sys.stderr.flush()
