@@ -686,14 +686,10 @@ def cli(argv=None) -> int:
     except (SettingsChangedError, ConfigError) as e:  # a rerun with changed settings; flags a training cannot use
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
-    # a phase cannot start (a missing dataset...), or another pipeline is writing to this --output
-    except (TrainSetupError, SearchError, CheckpointError, FolderBusyError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 1
-    except NonFiniteLossError as e:  # a training phase diverged; rerunning resumes from its last finished epoch
-        print(f'error: {e}', file=sys.stderr)
-        return 1
-    except PhaseFailedError as e:  # --jobs N: a phase's own error is in its log
+    # exit 1: a phase cannot start (a missing dataset...); another pipeline is writing to this --output; a training
+    # phase diverged (a rerun resumes from its last finished epoch); --jobs N: a phase failed (its error is in its log)
+    except (TrainSetupError, SearchError, CheckpointError, FolderBusyError, NonFiniteLossError,
+            PhaseFailedError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     return 0
