@@ -129,8 +129,27 @@ def test_guided_bad_labels_and_memory_size_raise_value_errors():
         collate([(imgs, 0.0), (imgs, 1.0)])
     with pytest.raises(ValueError, match='labels must lie'):
         collate([(imgs, 0), (imgs, 12)])
+    for labels in ([0, 1, 2, 3], [0, 1]):  # more labels than images, and fewer
+        with pytest.raises(ValueError, match=f'target batch size {len(labels)} does not match the image batch size 3'):
+            mixer(x, torch.tensor(labels))
+    for bad in (dict(guided_prob='0.5'), dict(random_prob=float('nan')), dict(guided_prob=-0.1)):
+        with pytest.raises(ValueError, match='_prob must be a finite number in \\[0, 1\\]'):
+            GuidedPatchMix(table, **bad)
+    with pytest.raises(ValueError, match='must sum to at most 1'):
+        GuidedPatchMix(table, guided_prob=0.6, random_prob=0.6)
     # nothing was half-done: the memory saw no image from the refused batches
     assert int(mixer.memory.count.sum()) == 0 and int(collate.guided.memory.count.sum()) == 0
+
+
+@pytest.mark.parametrize('as_type', [list, np.asarray, torch.tensor])
+def test_guided_takes_class_indices_as_patchmix_does(as_type):
+    """Class indices as a list, a numpy array or a tensor give the same mixed batch and target."""
+    table = random_table(10, 5)
+    x = torch.rand(6, 3, 8, 8)
+    labels = [0, 3, 5, 7, 3, 9]
+    want = GuidedPatchMix(table)(x.clone(), torch.tensor(labels), torch.Generator().manual_seed(2))
+    got = GuidedPatchMix(table)(x.clone(), as_type(labels), torch.Generator().manual_seed(2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_guided_partners_by_the_rules_and_uniform():

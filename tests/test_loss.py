@@ -123,3 +123,10 @@ def test_one_pass_loss_under_bfloat16_logits_is_float32():
     assert fused.dtype == torch.float32
     ref = reference_loss(logits.bfloat16(), patch.bfloat16(), packed, 1.0)
     torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('weight', [-1.0, float('nan'), float('inf'), '1', True])
+def test_bad_patch_weight_is_refused_by_name(weight):
+    """A weight that would make every loss NaN (or negative, or not a number) is refused when the loss is made."""
+    with pytest.raises(ValueError, match='patch_weight must be a finite number >= 0'):
+        PatchMixLoss(patch_weight=weight)

@@ -2,6 +2,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -259,7 +260,7 @@ def test_packed_target_stays_on_device_of_x():
     (lambda m: m(torch.rand(2, 3, 8, 8), torch.rand(2, 4)), 'target has 4 classes .* num_classes=5'),
     (lambda m: m(torch.rand(3, 8, 8), torch.tensor([0, 1, 2])), '4-D image batch'),
     (lambda m: m(torch.rand(3, 3, 8, 8), torch.tensor([0, 1])), 'target batch size 2 does not match .* 3'),
-    (lambda m: m(torch.rand(2, 3, 3, 8), torch.tensor([0, 1])), 'grid 4x4 does not fit a image of 3x8'),
+    (lambda m: m(torch.rand(2, 3, 3, 8), torch.tensor([0, 1])), 'grid 4x4 does not fit an image of 3x8'),
     (lambda m: m(torch.rand(2, 3, 8, 8), torch.tensor([0.0, 1.0])), 'integer class indices'),
     (lambda m: m.apply(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]),
                        PatchMixParams(torch.tensor([0, 1]), torch.ones(2, 2, 2, dtype=torch.bool))), '2x2 grid'),
@@ -276,10 +277,98 @@ def test_bad_inputs_raise_named_errors(call, message):
     (dict(num_classes=3, prob=1.5), 'prob'), (dict(num_classes=3, mode='half'), 'mode'),
     (dict(num_classes=3, label_smoothing=1.0), 'label_smoothing'), (dict(num_classes=3, grid=(4, 0)), 'grid'),
     (dict(num_classes=3, cuda_graph=1), 'cuda_graph'),
+    (dict(num_classes=3, prob='0.5'), r"prob must be a finite number in \[0, 1\], got '0.5'"),
+    (dict(num_classes=3, prob=float('nan')), 'prob must be a finite number'),
+    (dict(num_classes=3, label_smoothing='0.1'), r'label_smoothing must be a finite number in \[0, 1\)'),
+    (dict(num_classes=3, alpha='1'), 'alpha must be a finite number > 0'),
+    (dict(num_classes=2.5), 'num_classes must be a positive int'), (dict(num_classes=True), 'num_classes'),
 ])
 def test_bad_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PatchMix(**kwargs)
+
+
+def test_numpy_numbers_are_accepted_as_arguments():
+    """numpy's scalars (an argparse value through numpy, a config loaded by numpy) work as Python's do, as they do
+    for timm's Mixup."""
+    m = PatchMix(grid=np.int64(4), num_classes=np.int64(5), prob=np.float32(0.5), alpha=np.float64(1.0),
+                 label_smoothing=np.float32(0.25))
+    assert m.grid == (4, 4) and m.num_classes == 5 and type(m.num_classes) is int
+    assert m.prob == 0.5 and m.label_smoothing == 0.25
+    assert PatchMix(grid=(np.int32(2), np.int64(3)), num_classes=3).grid == (2, 3)
+    x = torch.rand(4, 3, 8, 12)
+    _, packed = m(x, torch.tensor([0, 1, 2, 3]))
+    assert packed.shape == (4, 3 + 2 * 5 + 16)
+
+
+def _differentiable_reference(a, partner, mask):
+    """The mix by autograd's own ops: each pixel the image's own or its partner's, per the pixel mask."""
+    keep = reference_mix(a.detach(), partner, mask)[1]
+    return torch.where(keep.unsqueeze(1), a, a.index_select(0, partner))
+
+
+@pytest.mark.parametrize('accelerator_branch', [False, True])
+@pytest.mark.parametrize('fresh', [False, True])
+@pytest.mark.parametrize('dtype, hw', [
+    (torch.float32, (32, 32)),   # cell rows of 32 bytes: the copy would move them as 16-byte words
+    (torch.float32, (8, 16)),    # 16-byte rows
+    (torch.float16, (16, 16)),   # 8-byte rows
+    (torch.float64, (12, 20)),   # 40-byte rows
+    (torch.float32, (18, 19)),   # unequal widths: element copies
+])
+def test_gradients_reach_the_pixels_each_cell_came_from(monkeypatch, accelerator_branch, fresh, dtype, hw):
+    """A batch that autograd follows is mixed as torch's own in-place ops would mix it: the output's gradient goes
+    to the pixel each cell was taken from (the image's own, or its partner's), whatever the image width, dtype or
+    branch. Compared exactly with the gradient through a select, upstream gradients being small integers."""
+    import timm_patchmix.mix as mix_mod
+    if accelerator_branch:
+        monkeypatch.setattr(mix_mod, '_per_cell', lambda device: False)
+    g = torch.Generator().manual_seed(hw[0] * 100 + hw[1])
+    b = 6
+    a = torch.randn(b, 3, *hw, generator=g).to(dtype).requires_grad_()
+    upstream = torch.randint(-4, 5, (b, 3, *hw), generator=g).to(dtype)
+    mixer = PatchMix(grid=4, num_classes=4)
+    params = mixer.sample(b, generator=g)
+    assert not params.mask.all(1).all(1).any()  # every sample takes cells from its partner
+    x = a * 1
+    out, packed = mixer.apply(x, torch.arange(b) % 4, params, fresh=fresh)
+    assert out is x and out.grad_fn is not None and not packed.requires_grad
+    (out * upstream).sum().backward()
+    a2 = a.detach().clone().requires_grad_()
+    want = _differentiable_reference(a2, params.partner, params.mask)
+    assert torch.equal(out.detach(), want.detach())
+    (want * upstream).sum().backward()
+    assert torch.equal(a.grad, a2.grad)
+    assert not torch.equal(a.grad, upstream)  # the mix moved gradient: a copy that autograd missed would not
+
+
+@pytest.mark.parametrize('accelerator_branch', [False, True])
+@pytest.mark.parametrize('hw', [(32, 32), (18, 19)])
+def test_leaf_and_inference_tensors_get_torchs_errors_at_every_width(monkeypatch, accelerator_branch, hw):
+    """An in-place mix of a leaf that requires grad (torch's own error), or of an inference tensor outside
+    inference mode (which torch would refuse only after writing it), raises at every image width and leaves the
+    tensor as it was; inside inference mode the inference tensor is mixed."""
+    import timm_patchmix.mix as mix_mod
+    if accelerator_branch:
+        monkeypatch.setattr(mix_mod, '_per_cell', lambda device: False)
+    mixer = PatchMix(grid=4, num_classes=4)
+    params = mixer.sample(4, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(4)
+    for fresh in (False, True):
+        leaf = torch.rand(4, 3, *hw, requires_grad=True)
+        before = leaf.detach().clone()
+        with pytest.raises(RuntimeError, match='leaf Variable that requires grad'):
+            mixer.apply(leaf, y, params, fresh=fresh)
+        assert torch.equal(leaf.detach(), before)
+        with torch.inference_mode():
+            inf = torch.rand(4, 3, *hw)
+        before = inf.clone()
+        with pytest.raises(RuntimeError, match='x is an inference tensor .* outside inference mode'):
+            mixer.apply(inf, y, params, fresh=fresh)
+        assert torch.equal(inf, before)
+        with torch.inference_mode():
+            out, _ = mixer.apply(inf, y, params, fresh=fresh)
+        assert torch.equal(out, reference_mix(before, params.partner, params.mask)[0])
 
 
 def test_mixer_pickles_without_its_process_state():

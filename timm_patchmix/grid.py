@@ -9,6 +9,7 @@ search keeps it as.
 """
 from __future__ import annotations
 
+import numbers
 from functools import lru_cache
 from typing import Optional, Sequence, Tuple, Union
 
@@ -24,10 +25,10 @@ __all__ = ['GridSpec', 'to_grid', 'grid_from_flag', 'cell_bounds', 'grid_bounds'
 
 def to_grid(grid: GridSpec, name: str = 'grid') -> Tuple[int, int]:
     """Normalise an int ``P`` or a ``(rows, cols)`` pair to ``(rows, cols)``; raise ``ValueError`` if invalid."""
-    if isinstance(grid, bool):
+    if isinstance(grid, (bool, np.bool_)):
         raise ValueError(f'{name} must be an int or a (rows, cols) pair, got {grid!r}')
-    if isinstance(grid, int):
-        rows = cols = grid
+    if isinstance(grid, numbers.Integral):  # numpy's integers too
+        rows = cols = int(grid)
     else:
         try:
             rows, cols = (int(v) for v in grid)
@@ -63,11 +64,11 @@ def _check_split(size: int, parts: int) -> None:
         raise ValueError(f'cannot split a length of {size} into {parts} non-empty cells')
 
 
-def check_grid_fits(height: int, width: int, rows: int, cols: int, what: str = 'image') -> None:
+def check_grid_fits(height: int, width: int, rows: int, cols: int, what: str = 'an image') -> None:
     """Raise a ``ValueError`` naming the sizes when a ``rows x cols`` grid does not fit an ``H x W`` plane."""
     if rows > height or cols > width:
         raise ValueError(
-            f'grid {rows}x{cols} does not fit a {what} of {height}x{width}: '
+            f'grid {rows}x{cols} does not fit {what} of {height}x{width}: '
             f'each of the {rows}x{cols} cells needs at least one pixel')
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .grid import GridSpec, to_grid
-from .mix import PatchMix, PatchMixParams
+from .mix import PatchMix, PatchMixParams, _number
 from .table import SCHEMA_VERSION, MaskTable, MaskTableError, dataset_fingerprint
 
 __all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION', 'GuidedPatchMix', 'ClassMemory']
@@ -91,11 +91,12 @@ class GuidedPatchMix:
                 raise MaskTableError(f'mask table is for {table.num_classes} classes, this run has {num_classes}')
             if fingerprint is not None and fingerprint != table.fingerprint:
                 raise MaskTableError('mask table was searched on another dataset')
-        if not (0 <= guided_prob <= 1 and 0 <= random_prob <= 1 and guided_prob + random_prob <= 1):
-            raise ValueError(f'guided_prob ({guided_prob}) and random_prob ({random_prob}) must lie in [0, 1] and '
-                             f'sum to at most 1')
+        guided_prob = _number(guided_prob, 'guided_prob', 0.0, 1.0)
+        random_prob = _number(random_prob, 'random_prob', 0.0, 1.0)
+        if guided_prob + random_prob > 1:
+            raise ValueError(f'guided_prob ({guided_prob}) and random_prob ({random_prob}) must sum to at most 1')
         self.table = table
-        self.guided_prob, self.random_prob = float(guided_prob), float(random_prob)
+        self.guided_prob, self.random_prob = guided_prob, random_prob
         self.num_classes = table.num_classes
         self.mixer = PatchMix(grid=table.grid, alpha=alpha, prob=1.0, mode='elem', label_smoothing=label_smoothing,
                               num_classes=self.num_classes)
@@ -189,8 +190,10 @@ class GuidedPatchMix:
             mask[clean] = True
         return PatchMixParams(partner, mask), guided, extra
 
-    def _check_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        if not isinstance(labels, torch.Tensor) or labels.ndim != 1:
+    def _check_labels(self, labels) -> torch.Tensor:
+        if not isinstance(labels, torch.Tensor):  # a list or numpy array of class indices, as PatchMix takes
+            labels = torch.as_tensor(labels)
+        if labels.ndim != 1:
             raise ValueError('GuidedPatchMix needs class-index targets [B] to find partners by class')
         if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
             raise ValueError(f'GuidedPatchMix targets must be integer class indices, got dtype {labels.dtype}')
@@ -204,6 +207,11 @@ class GuidedPatchMix:
         """Mix ``x [B, C, H, W]`` with class-index ``target [B]`` in place, as ``PatchMix`` does; returns
         ``(x, packed_target)``. ``fresh`` is :meth:`PatchMix.apply`'s."""
         self.mixer._check_image(x)
+        if not isinstance(target, torch.Tensor):  # a list or numpy array of class indices, as PatchMix takes
+            target = torch.as_tensor(target)
+        if target.ndim == 1 and target.shape[0] != x.shape[0]:
+            # checked before anything is drawn or remembered: a failed call leaves the class memory as it was
+            raise ValueError(f'target batch size {target.shape[0]} does not match the image batch size {x.shape[0]}')
         params, guided, extra = self.sample(target, generator=generator)
         source = None
         if extra:

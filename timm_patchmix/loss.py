@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mix import _HEADER, is_packed_target, soft_target, split_target
+from .mix import _HEADER, _number, is_packed_target, soft_target, split_target
 
 __all__ = ['PatchMixLoss', 'packed_loss', 'soft_cross_entropy']
 
@@ -39,11 +39,9 @@ class PatchMixLoss(nn.Module):
         super().__init__()
         if not (image_loss or patch_loss):
             raise ValueError('PatchMixLoss needs image_loss or patch_loss (or both) switched on')
-        if patch_weight < 0:
-            raise ValueError(f'patch_weight must be >= 0, got {patch_weight!r}')
         self.image_loss = image_loss
         self.patch_loss = patch_loss
-        self.patch_weight = float(patch_weight)
+        self.patch_weight = _number(patch_weight, 'patch_weight', 0.0)
 
     def extra_repr(self) -> str:
         return f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}'

@@ -6,6 +6,7 @@ be replayed exactly and the guided mixer can apply masks of its own through the 
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -73,6 +74,17 @@ class PatchMixParams:
             raise ValueError(f'params.mask must be bool, got {self.mask.dtype}')
         if batch_size and (int(self.partner.min()) < 0 or int(self.partner.max()) >= n):
             raise ValueError(f'params.partner holds indices outside [0, {n})')
+
+
+def _number(value, name: str, low: float, high: float = math.inf, *, high_open: bool = False) -> float:
+    """``value`` as a float, or a ``ValueError`` naming it unless it is a finite real number (numpy's included,
+    not a bool) in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value) \
+        and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        span = f'>= {low:g}' if high == math.inf else f'in [{low:g}, {high:g}{")" if high_open else "]"}'
+        raise ValueError(f'{name} must be a finite number {span}, got {value!r}')
+    return float(value)
 
 
 def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
@@ -238,10 +250,10 @@ def _same_words(a: torch.Tensor, b: torch.Tensor, col_bounds: Tuple[int, ...]):
 def _segment_arrays(x: torch.Tensor, src: torch.Tensor, cols: int):
     """numpy views of ``x`` and ``src`` ``[B, C, H, W]`` as ``[B, C, H, cols]`` arrays whose elements are whole
     cell-row segments (``W / cols`` pixels as one opaque item), or ``None`` where such views do not exist: not both
-    on the CPU, a tensor that requires grad, a row that is not contiguous, or cells of unequal widths."""
+    on the CPU, a row that is not contiguous, or cells of unequal widths."""
     w = x.shape[-1]
     for t in (x, src):
-        if t.device.type != 'cpu' or t.requires_grad or t.is_complex() or t.is_neg() or t.stride(-1) != 1:
+        if t.device.type != 'cpu' or t.is_complex() or t.is_neg() or t.stride(-1) != 1:
             return None
     if w % cols or src.dtype != x.dtype:
         return None
@@ -265,6 +277,21 @@ def _mix_segments(xa: np.ndarray, sa: np.ndarray, partner: torch.Tensor, mask: t
         xa[b, :, ys, c] = sa[part[b], :, ys, c]  # the right side is gathered in full before anything is written
 
 
+def _tracked(x: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether autograd follows an in-place write of ``src``'s pixels into ``x`` (either requires grad): such a
+    write must use torch ops in ``x``'s own dtype, since one through a view of another dtype, or through numpy,
+    is not recorded (nor refused on a leaf)."""
+    return x.requires_grad or src.requires_grad
+
+
+def _check_writable(x: torch.Tensor) -> None:
+    """Refuse, before anything is written, a batch that torch refuses to change in place only after changing it:
+    an inference tensor outside inference mode."""
+    if not torch.compiler.is_compiling() and x.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError('x is an inference tensor (made under torch.inference_mode()), which cannot be mixed in '
+                           'place outside inference mode; mix it under torch.inference_mode(), or mix x.clone()')
+
+
 def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
                source: Optional[torch.Tensor] = None, *, fresh: bool = False) -> torch.Tensor:
     """Mix ``x [B, C, H, W]`` in place and return it: where ``mask[i, r, c]`` is False, cell (r, c) of ``x[i]``
@@ -280,18 +307,26 @@ def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
     time, which is about twice as fast; the pixels are the same. Those writes do not advance torch's version
     counter, which is why only a fresh tensor takes this way. Tensors that require grad, rows that are not
     contiguous and cells of unequal widths take the torch way whatever ``fresh`` says.
+
+    Where autograd follows the write (``x`` or ``source`` requires grad), the torch way copies in ``x``'s own
+    dtype, so the mixed batch's gradient reaches each cell's source; a leaf that requires grad, or an inference
+    tensor outside inference mode, gets an error and is left as it was.
     """
+    _check_writable(x)
     src = x if source is None else source
     h, w = x.shape[-2:]
     rows, cols = mask.shape[1:]
-    if fresh and mask.device.type == 'cpu' and partner.device.type == 'cpu':
+    tracked = _tracked(x, src)
+    if fresh and not tracked and mask.device.type == 'cpu' and partner.device.type == 'cpu':
         arrays = _segment_arrays(x, src, cols)
         if arrays is not None:
             _mix_segments(*arrays, partner, mask)
             return x
     rb, cb = cell_bounds(h, rows), cell_bounds(w, cols)
     take = (~mask).permute(1, 2, 0).contiguous()  # [rows, cols, B]: the samples that change, cell by cell
-    xv, sv, wcb = _same_words(x, src, cb)
+    # wider words move the same bytes in fewer elements, but autograd does not record a write through a view of
+    # another dtype
+    xv, sv, wcb = (x, src, cb) if tracked else _same_words(x, src, cb)
     for r in range(rows):
         for c in range(cols):
             idx = take[r, c].nonzero().flatten()
@@ -320,8 +355,13 @@ def _per_cell(device: torch.device) -> bool:
 def _select(x: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor, source: Optional[torch.Tensor]) -> None:
     """Where the pixel mask ``pix [B, 1, H, W]`` is False, ``x`` takes ``source[partner]``'s pixel (``source``
     defaults to ``x``): one gather of the partners, then one select into ``x``."""
+    _check_writable(x)
     src = x if source is None else source
-    torch.where(pix, x, src.index_select(0, partner), out=x)
+    if torch.is_grad_enabled() and _tracked(x, src):
+        # out= is not differentiable: select into a new tensor and copy it in, which autograd records
+        x.copy_(torch.where(pix, x, src.index_select(0, partner)))
+    else:
+        torch.where(pix, x, src.index_select(0, partner), out=x)
 
 
 @lru_cache(maxsize=32)
@@ -463,15 +503,15 @@ class PatchMix:
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
                  label_smoothing: float = 0.0, num_classes: Optional[int] = None, cuda_graph: bool = True):
         self.grid = to_grid(grid)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (alpha > 0 and math.isfinite(alpha)):
+        if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or \
+                not (alpha > 0 and math.isfinite(alpha)):
             raise ValueError(f'alpha must be a finite number > 0, got {alpha!r}')
-        if not (0.0 <= prob <= 1.0):
-            raise ValueError(f'prob must lie in [0, 1], got {prob!r}')
+        prob = _number(prob, 'prob', 0.0, 1.0)
         if mode not in MIX_MODES:
             raise ValueError(f'mode must be one of {MIX_MODES}, got {mode!r}')
-        if not (0.0 <= label_smoothing < 1.0):
-            raise ValueError(f'label_smoothing must lie in [0, 1), got {label_smoothing!r}')
-        if num_classes is None or isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        label_smoothing = _number(label_smoothing, 'label_smoothing', 0.0, 1.0, high_open=True)
+        if not isinstance(num_classes, numbers.Integral) or isinstance(num_classes, (bool, np.bool_)) \
+                or num_classes < 1:
             raise ValueError(f'num_classes must be a positive int, got {num_classes!r}')
         if not isinstance(cuda_graph, bool):
             raise ValueError(f'cuda_graph must be True or False, got {cuda_graph!r}')
@@ -483,7 +523,7 @@ class PatchMix:
         self.prob = float(prob)
         self.mode = mode
         self.label_smoothing = float(label_smoothing)
-        self.num_classes = num_classes
+        self.num_classes = int(num_classes)
         self.mixup_enabled = True  # timm's train loop switches mixing off through this flag
 
     @property
