@@ -282,3 +282,29 @@ def test_gene_scores_cuda_match_cpu(monkeypatch):
     cpu = GeneScorer(m, images, pairs, a_idx, b_idx, (4, 4), score='loss').score_genes(pair, mask)
     gpu = GeneScorer(m.cuda(), images.cuda(), pairs, a_idx, b_idx, (4, 4), score='loss').score_genes(pair, mask)
     np.testing.assert_allclose(gpu, cpu, rtol=1e-3, atol=1e-4)
+
+
+def test_cuda_gradients_reach_the_pixels_each_cell_came_from():
+    """A CUDA batch that autograd follows is mixed in place as on the CPU: by given params (the eager select) the
+    gradient equals the CPU's exactly, and by the captured draw each output pixel's gradient reaches exactly one
+    source pixel (integer upstream gradients, so sums are exact)."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(6, 3, 32, 32, generator=g)
+    upstream = torch.randint(-4, 5, (6, 3, 32, 32), generator=g).float()
+    y = torch.arange(6) % 4
+    mixer = PatchMix(grid=4, num_classes=4)
+    params = mixer.sample(6, generator=g)
+    grads = []
+    for dev in ('cpu', 'cuda'):
+        leaf = a.to(dev).requires_grad_()
+        out, _ = mixer.apply(leaf * 1, y.to(dev), params)
+        assert out.grad_fn is not None
+        (out * upstream.to(dev)).sum().backward()
+        grads.append(leaf.grad.cpu())
+    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], upstream)
+    leaf = a.cuda().requires_grad_()
+    for _ in range(2):  # the first call captures the draw, the second replays it
+        leaf.grad = None
+        out, _ = mixer(leaf * 1, y.cuda())
+        (out * upstream.cuda()).sum().backward()
+        assert leaf.grad.sum().item() == upstream.sum().item() and not torch.equal(leaf.grad.cpu(), upstream)
