@@ -59,7 +59,7 @@ def test_export_folder_file_by_file_and_local_dir_round_trip(trained, tmp_path):
     cfg = json.load(open(os.path.join(folder, 'config.json')))
     assert cfg['architecture'] == 'patchhead_resnet32_cifar' and cfg['num_classes'] == 10
     assert cfg['label_names'] == list(PATCHSHAPES_CLASSES)
-    assert cfg['model_args'] == {'grid': [4, 4], 'per_position': False}
+    assert cfg['model_args'] == {'grid': [4, 4], 'per_position': False, 'in_chans': 3}  # timm adds in_chans
     assert cfg['pretrained_cfg']['classifier'] == ['backbone.fc', 'patch_head.fc']
     assert cfg['pretrained_cfg']['mean'] == meta['data']['mean'] and cfg['pretrained_cfg']['std'] == meta['data']['std']
     assert cfg['pretrained_cfg']['input_size'] == meta['data']['input_size']
@@ -115,7 +115,7 @@ def test_fine_tune_with_train_py_from_a_hub_folder(trained, tmp_path):
     res = train_main(common + ['--model', f'local-dir:{folder}', '--pretrained', '--experiment', 'pre'])
     state, meta = load_weights(os.path.join(res['output'], 'best.safetensors'))
     assert meta['model'] == 'patchhead_resnet32_cifar' and meta['num_classes'] == 3
-    assert meta['model_kwargs'] == {'grid': [4, 4], 'per_position': False}
+    assert meta['model_kwargs'] == {'grid': [4, 4], 'per_position': False, 'in_chans': 3}
     assert state['patch_head.fc.weight'].shape == (3, 64)
     reloaded, _ = hub.model_from_weights(os.path.join(res['output'], 'best.safetensors'))
     assert reloaded.num_classes == 3

@@ -185,3 +185,61 @@ def test_torch_compile():
     torch.testing.assert_close(logits, ref_logits)
     torch.testing.assert_close(patch, ref_patch)
     (logits.sum() + patch.sum()).backward()
+
+
+def test_grid_by_aspect_is_the_one_factorisation_nearest_the_image_shape():
+    """Token counts without a patch embed that says their grid: the factorisation nearest the image's shape, none
+    where two are equally near or the nearest is off by more than a factor of two."""
+    from timm_patchmix.models.patchhead import grid_by_aspect
+    assert grid_by_aspect(196, [224, 224]) == (14, 14)
+    assert grid_by_aspect(140, [224, 160]) == (14, 10) and grid_by_aspect(140, [160, 224]) == (10, 14)
+    assert grid_by_aspect(35, [224, 160]) == (7, 5)      # stride 32
+    assert grid_by_aspect(96, [128, 192]) == (8, 12)
+    assert grid_by_aspect(48, [225, 161]) == (8, 6)      # ceil-mode map of an odd size
+    assert grid_by_aspect(1, [32, 32]) == (1, 1)
+    assert grid_by_aspect(12, [100, 100]) == (0, 0)      # 3x4 and 4x3 equally near a square
+    assert grid_by_aspect(37, [224, 160]) == (0, 0)      # a prime count: only 1x37 and 37x1
+    scripted = torch.jit.script(grid_by_aspect)
+    assert scripted(140, [224, 160]) == (14, 10) and scripted(12, [100, 100]) == (0, 0)
+
+
+@pytest.mark.parametrize('arch, kwargs, hw', [
+    ('xcit_nano_12_p16_224', {}, (224, 160)),            # tokens and a class token, no dynamic patch embed
+    ('twins_svt_small', {}, (160, 224)),                 # tokens at stride 32, no class token
+    ('volo_d1_224', {}, (224, 224)),                     # a class token that the backbone does not count
+])
+def test_token_backbones_lay_out_tokens_on_their_own_grid(arch, kwargs, hw):
+    """Backbones whose tokens no patch embed lays out: the patch head's map has the spatial shape of the
+    backbone's own last intermediate map, for non-square inputs too, and training runs."""
+    torch.manual_seed(0)
+    model = timm.create_model('patchhead_' + arch, num_classes=3, **kwargs).train()
+    x = torch.randn(1, 3, *hw)
+    with torch.no_grad():
+        feat = model.forward_features(x)
+        fmap = model.feature_map_nhwc(feat, list(hw))
+        last = model.backbone.forward_intermediates(x, intermediates_only=True)[-1]
+    assert fmap.shape[1:3] == last.shape[-2:]
+    logits, patch = model(x)
+    assert logits.shape == (1, 3) and patch.shape == (1, 16, 3)
+
+
+@pytest.mark.parametrize('arch, size, message', [
+    ('coat_tiny', 224, r'forward_features returns a list \(\[1, 785, 152\], \[1, 197, 152\], \[1, 50, 152\]\), '
+                       r'not one feature map'),
+    ('pit_xs_224', 224, r'shape \[1, 1, 384\] holds 1 token\(s\), no more than the backbone\'s 1 prefix'),
+])
+def test_backbones_without_one_spatial_map_get_a_named_error(arch, size, message):
+    model = timm.create_model('patchhead_' + arch, num_classes=3).train()
+    x = torch.randn(1, 3, size, size)
+    with pytest.raises(ValueError, match=message):
+        model(x)
+    with pytest.raises(ValueError, match=message):
+        model.forward_patches(x)
+    model.eval()
+    assert model(x).shape == (1, 3)  # the plain classifier is untouched
+
+
+@pytest.mark.parametrize('name', ['resnet32_cifar', 'preactresnet56_cifar', 'patchhead_resnet32_cifar'])
+def test_cifar_backbones_report_in_chans(name):
+    assert timm.create_model(name).in_chans == 3
+    assert timm.create_model(name, in_chans=1).in_chans == 1

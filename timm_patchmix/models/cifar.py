@@ -113,6 +113,7 @@ class CifarResNet(nn.Module):
         block_cls: Type[nn.Module] = blocks[block]
         self.preact = block.startswith('preact')
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.drop_rate = drop_rate
         self.grad_checkpointing = False
         self.conv1 = nn.Conv2d(in_chans, stem_width, 3, 1, 1, bias=False)

@@ -80,20 +80,46 @@ def image_token_grid(img_size: List[int], patch_size: Tuple[int, int], feature_r
     return fh // patch_size[0], fw // patch_size[1]
 
 
+def grid_by_aspect(n_tokens: int, img_size: List[int]) -> Tuple[int, int]:
+    """The ``h x w = n_tokens`` grid whose shape is nearest the image's (``h / w`` against ``H / W``), or
+    ``(0, 0)`` where two are equally near or none is within a factor of two of it. For a square image and a square
+    count this is the square root; for a backbone at one stride it is the grid at that stride (224x160 at stride
+    16: 14x10). Integers only, so it runs alike in eager, TorchScript and FX."""
+    big_h, big_w = int(img_size[0]), int(img_size[1])
+    best_h, best_num, best_den, tie = 0, 0, 1, False
+    for h in range(1, n_tokens + 1):
+        if n_tokens % h != 0:
+            continue
+        a, b = h * big_w, (n_tokens // h) * big_h  # h / w against H / W, as the ratio max(a, b) / min(a, b)
+        num, den = max(a, b), min(a, b)
+        if best_h == 0 or num * best_den < best_num * den:
+            best_h, best_num, best_den, tie = h, num, den, False
+        elif num * best_den == best_num * den:
+            tie = True
+    if best_h == 0 or tie or best_num > 2 * best_den:
+        return 0, 0
+    return best_h, n_tokens // best_h
+
+
 def token_grid_size(n_tokens: int, img_size: List[int], patch_size: Tuple[int, int], feature_ratio: Tuple[int, int],
                     dynamic_pad: bool, token_grid: Tuple[int, int]) -> Tuple[int, int]:
     """The ``h x w`` grid of ``n_tokens`` spatial tokens: from the image size when ``patch_size`` is set (as
-    timm's ``PatchEmbed.dynamic_feat_size``), else the fixed ``token_grid``, else the square root."""
+    timm's ``PatchEmbed.dynamic_feat_size``), else the fixed ``token_grid`` where the count fits it, else the
+    factorisation of the count nearest the image's shape (:func:`grid_by_aspect`)."""
     if patch_size[0] > 0:
         h, w = image_token_grid(img_size, patch_size, feature_ratio, dynamic_pad)
-    elif token_grid[0] > 0:
-        h, w = token_grid[0], token_grid[1]
-    else:
-        h = int(round(math.sqrt(n_tokens)))
-        w = h
-    if h * w != n_tokens:
-        raise ValueError(f'{n_tokens} spatial tokens do not form the {h}x{w} token grid expected for an input '
-                         f'of {img_size[0]}x{img_size[1]}')
+        if h * w != n_tokens:
+            raise ValueError(f'{n_tokens} spatial tokens do not form the {h}x{w} token grid expected for an input '
+                             f'of {img_size[0]}x{img_size[1]}')
+        return h, w
+    if token_grid[0] > 0 and token_grid[0] * token_grid[1] == n_tokens:
+        return token_grid[0], token_grid[1]
+    h, w = grid_by_aspect(n_tokens, img_size)
+    if h == 0:
+        raise ValueError(f'{n_tokens} spatial tokens form no token grid of the shape of an input of '
+                         f'{img_size[0]}x{img_size[1]} (its rows and columns would have to be {n_tokens} split '
+                         f'into two factors whose ratio is nearest {img_size[0]}:{img_size[1]}, and one such '
+                         f'split alone)')
     return h, w
 
 
@@ -103,7 +129,18 @@ def feature_map_nhwc(feat: torch.Tensor, img_size: List[int], output_fmt: str = 
                      token_grid: Tuple[int, int] = (0, 0)) -> torch.Tensor:
     """A ``forward_features`` output as ``[B, h, w, F]``: NLC tokens lose their ``num_prefix_tokens`` and go on
     their token grid; a 4-d map is NHWC or NCHW by ``output_fmt`` ('' guesses from ``num_features``)."""
+    if not torch.jit.is_scripting():
+        if not isinstance(feat, torch.Tensor):
+            shapes = ', '.join(str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+                               for t in feat) if isinstance(feat, (list, tuple)) else type(feat).__name__
+            raise ValueError(f'forward_features returns a {type(feat).__name__} ({shapes}), not one feature map: '
+                             f'the patch head pools the regions of a single final map, which this backbone does '
+                             f'not give')
     if feat.dim() == 3:
+        if feat.shape[1] <= num_prefix_tokens:
+            raise ValueError(f'forward_features output of shape {list(feat.shape)} holds {feat.shape[1]} token(s), '
+                             f'no more than the backbone\'s {num_prefix_tokens} prefix (class) token(s): it keeps '
+                             f'no spatial tokens for the patch head to pool')
         tokens = feat[:, num_prefix_tokens:]
         h, w = token_grid_size(tokens.shape[1], img_size, patch_size, feature_ratio, dynamic_pad, token_grid)
         return tokens.reshape(feat.shape[0], h, w, feat.shape[2])
@@ -398,7 +435,11 @@ def _backbone_layout(backbone: nn.Module) -> Dict[str, Any]:
     """The static facts :func:`feature_map_nhwc` needs about ``backbone``'s ``forward_features`` output."""
     fmt = getattr(backbone, 'output_fmt', None)
     fmt = getattr(fmt, 'value', fmt)  # timm's Format enum or a string
-    layout = dict(output_fmt=str(fmt or ''), num_prefix_tokens=int(getattr(backbone, 'num_prefix_tokens', 0) or 0))
+    prefix = getattr(backbone, 'num_prefix_tokens', None)
+    if prefix is None:  # a class token put before the patch tokens without a count of them (VOLO, PiT)
+        cls_token = getattr(backbone, 'cls_token', None)
+        prefix = cls_token.shape[1] if isinstance(cls_token, torch.Tensor) and cls_token.dim() == 3 else 0
+    layout = dict(output_fmt=str(fmt or ''), num_prefix_tokens=int(prefix or 0))
     pe = getattr(backbone, 'patch_embed', None)
     grid = getattr(pe, 'grid_size', None)
     if grid is not None:
