@@ -86,10 +86,16 @@ def grid_by_aspect(n_tokens: int, img_size: List[int]) -> Tuple[int, int]:
     count this is the square root; for a backbone at one stride it is the grid at that stride (224x160 at stride
     16: 14x10). Integers only, so it runs alike in eager, TorchScript and FX."""
     big_h, big_w = int(img_size[0]), int(img_size[1])
+    heights: List[int] = []  # every divisor of the count, each once
+    d = 1
+    while d * d <= n_tokens:
+        if n_tokens % d == 0:
+            heights.append(d)
+            if d * d != n_tokens:
+                heights.append(n_tokens // d)
+        d += 1
     best_h, best_num, best_den, tie = 0, 0, 1, False
-    for h in range(1, n_tokens + 1):
-        if n_tokens % h != 0:
-            continue
+    for h in heights:
         a, b = h * big_w, (n_tokens // h) * big_h  # h / w against H / W, as the ratio max(a, b) / min(a, b)
         num, den = max(a, b), min(a, b)
         if best_h == 0 or num * best_den < best_num * den:
