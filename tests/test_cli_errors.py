@@ -251,3 +251,25 @@ def test_non_finite_loss_error_message():
     assert 'epoch 3, step 17 of 40' in str(e) and 'nan' in str(e) and isinstance(e, RuntimeError)
     e = train.NonFiniteLossError(0, 1, 5, 2.5, bad_ranks=1, world_size=2)
     assert 'on 1 of 2 processes at epoch 0, step 1 of 5' in str(e)
+
+
+def test_robustness_errors_are_one_line_not_tracebacks(capsys, tmp_path):
+    """A file that is not a training checkpoint, a missing dataset or an unknown device: `error: ...` and exit 1
+    (exit 2 for the device flag), before any data is attacked; never a traceback."""
+    from timm_patchmix.checkpoint import save_weights
+    not_ckpt = tmp_path / 'table.json'
+    not_ckpt.write_text('{"pairs": []}')
+    bare = tmp_path / 'bare.safetensors'  # weights without the metadata naming a model
+    save_weights(str(bare), {'w': torch.zeros(2)})
+    for path, message in (not_ckpt, 'not a readable safetensors file'), (bare, 'carries no timm_patchmix'):
+        assert robustness.main(['--checkpoint', str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith('error: ') and message in err and 'Traceback' not in err, err
+    ck = tmp_path / 'tiny'
+    res = train.main(['--epochs', '1', '-b', '16', '-j', '0', '--train-subset', '32', '--val-subset', '16',
+                      '--no-progress', '--output', str(ck)])
+    best = os.path.join(res['output'], 'best.safetensors')
+    assert robustness.main(['--checkpoint', best, '--dataset', 'fashion_mnist', '--data-dir', str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and 'Traceback' not in err, err
+    expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--device', 'foo'], "'foo'", flag='--device')

@@ -362,3 +362,65 @@ def test_a_folder_written_by_timms_save_for_hf_loads_through_local_dir(tmp_path)
     from timm_patchmix.engine.model import model_arch
     with pytest.raises(CheckpointError, match='model_args.num_classes 5 differs from num_classes 7'):
         model_arch(f'local-dir:{tmp_path / "plain"}')
+
+
+def test_features_only_from_a_hub_folder_holds_its_trunk():
+    """``features_only=True`` through ``local-dir:`` (whose config.json's model_args carry the patch head's grid)
+    is the backbone's timm feature extractor with the folder's trunk, as through the tag."""
+    folder = os.path.join(EXAMPLES, 'patchhead_resnet32_cifar.rpm_patchshapes')
+    feats = timm.create_model(f'local-dir:{folder}', pretrained=True, features_only=True).eval()
+    whole = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    fresh = timm.create_model('patchhead_resnet32_cifar', features_only=True).eval()
+    x = images(2)
+    with torch.no_grad():
+        assert torch.equal(feats(x)[-1], whole.forward_features(x))  # the folder's trunk, tap by tap
+        assert not torch.equal(fresh(x)[-1], feats(x)[-1])
+
+
+def test_weights_are_read_from_safetensors_only(tmp_path, monkeypatch):
+    """A folder, a Hub repo or a file that holds the weights only in a pickle format is refused by name; nothing
+    is unpickled (timm's own loaders would fall back to pytorch_model.bin or torch.load a .pth)."""
+    name = 'patchhead_resnet32_cifar.rpm_patchshapes'
+    folder = tmp_path / 'pickled'
+    shutil.copytree(os.path.join(EXAMPLES, name), folder)
+    state = load_file(str(folder / 'model.safetensors'))
+    os.remove(folder / 'model.safetensors')
+    torch.save(state, folder / 'pytorch_model.bin')
+    torch.save(state, tmp_path / 'weights.pth')
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError(f'torch.load({args}, {kwargs}) was called')
+    monkeypatch.setattr(torch, 'load', no_unpickling)
+    with pytest.raises(CheckpointError, match='holds no model.safetensors: weights are read from safetensors only'):
+        timm.create_model(f'local-dir:{folder}', pretrained=True)
+    with pytest.raises(CheckpointError, match='holds no model.safetensors'):
+        timm.create_model(f'local-dir:{folder}', pretrained=True, features_only=True)
+    with pytest.raises(CheckpointError, match=r'weights.pth is not a .safetensors file'):
+        timm.create_model('patchhead_resnet32_cifar', pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(tmp_path / 'weights.pth')))
+    # a Hub repo (from a local cache, offline) whose only weights are pytorch_model.bin
+    repo = f'{HUB_NAMESPACE}/pickled-only'
+    fake_hf_cache(str(tmp_path / 'cache'), repo, str(folder))
+    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
+               PYTHONPATH=PYPATH)
+    script = ('import sys, torch, timm, timm_patchmix\n'
+              'torch.load = lambda *a, **k: sys.exit("torch.load was called")\n'
+              'from timm_patchmix.checkpoint import CheckpointError\n'
+              'try:\n'
+              '    timm.create_model("hf-hub:" + sys.argv[1], pretrained=True)\n'
+              'except CheckpointError as e:\n'
+              '    print("refused:", e)\n')
+    r = subprocess.run([sys.executable, '-c', script, repo], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'refused: could not load the weights' in r.stdout, r.stdout + r.stderr[-2000:]
+    assert 'model.safetensors' in r.stdout
+
+
+def test_a_checkpoint_whose_shapes_do_not_fit_its_metadata_is_a_checkpoint_error(trained, tmp_path):
+    state, meta = load_weights(trained[0])
+    meta['model_kwargs'] = dict(meta.get('model_kwargs') or {}, in_chans=1)  # the stem was trained on 3 channels
+    bad = str(tmp_path / 'bad.safetensors')
+    from timm_patchmix.checkpoint import save_weights
+    save_weights(bad, state, meta)
+    with pytest.raises(CheckpointError, match=r'(?s)bad.safetensors does not fit patchhead_resnet32_cifar as its '
+                                              r'metadata describes it: .*size mismatch for backbone.conv1.weight'):
+        hub.model_from_weights(bad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Dict, Iterable, Optional, Sequence
 
 import torch
@@ -105,19 +106,31 @@ def main(argv=None) -> int:
     from .data import build_dataset, pixel_transform
     from .hub import model_from_weights
 
-    args = build_parser().parse_args(argv)
+    from .checkpoint import CheckpointError
 
-    model, meta = model_from_weights(args.checkpoint)
-    data = meta.get('data', {})
-    ds = build_dataset(args.dataset if args.dataset is not None else data.get('dataset', ''),
-                       args.data_dir if args.data_dir is not None else data.get('data_dir', ''),
-                       args.val_split or data.get('val_split', 'validation'),
-                       subset=args.val_subset)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f'argument --device: not a torch device: {args.device!r} ({e})')
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        parser.error(f'argument --device: {args.device!r} names a CUDA device, and this machine has none')
+    try:
+        model, meta = model_from_weights(args.checkpoint)
+        data = meta.get('data', {})
+        ds = build_dataset(args.dataset if args.dataset is not None else data.get('dataset', ''),
+                           args.data_dir if args.data_dir is not None else data.get('data_dir', ''),
+                           args.val_split or data.get('val_split', 'validation'),
+                           subset=args.val_subset)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:  # a file or dataset it cannot use: exit 1
+        print(f'error: {e}', file=sys.stderr)
+        return 1
     cfg = resolve_data_config({}, model=model)
     ds.transform = pixel_transform(*data.get('input_size', cfg['input_size']))
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),
-                        data.get('std', cfg['std']), torch.device(args.device))
+                        data.get('std', cfg['std']), device)
     report(res, args.output)
     return 0
 

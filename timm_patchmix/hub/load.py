@@ -33,7 +33,10 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
                               f'{kwargs}: {e}') from None
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # tensors of other shapes (another architecture or in_chans than the metadata says)
+        raise CheckpointError(f'{path} does not fit {arch} as its metadata describes it: {e}') from None
     if missing or unexpected:
         raise CheckpointError(f'{path} does not fit {arch}: missing {list(missing)[:5]}, '
                               f'unexpected {list(unexpected)[:5]}')

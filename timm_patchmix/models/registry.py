@@ -17,6 +17,7 @@ What ``timm.create_model('patchhead_<arch>[.tag]', pretrained=..., ...)`` builds
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Dict, Iterable, Optional
 
@@ -145,13 +146,15 @@ def _with_own_weights(name: str, arch: str, own: Dict[str, Any], pretrained: boo
 def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: bool, pretrained_cfg, overlay,
               cache_dir, kwargs: Dict[str, Any]):
     """The backbone's timm feature extractor; with the patchhead weights' trunk when those are selected."""
+    # the patch head's own arguments (a Hub folder's model_args carry them) belong to the whole model only
+    head_args = {k: kwargs.pop(k) for k in ('grid', 'per_position') if k in kwargs}
     if own is None or not pretrained:
         if own is not None:  # the architecture's own cfg, no weights: the plain backbone's cfg
             pretrained_cfg = overlay = None
         return timm.create_model(arch, features_only=True, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
                                  pretrained_cfg_overlay=overlay, cache_dir=cache_dir, **kwargs)
     feature_args = {k: kwargs.pop(k) for k in _FEATURE_KWARGS if k in kwargs}
-    whole = _with_own_weights(name, arch, own, True, cache_dir, dict(kwargs))
+    whole = _with_own_weights(name, arch, own, True, cache_dir, dict(kwargs, **head_args))
     state = whole.backbone.state_dict()
     kwargs.pop('pretrained_model_args', None)
     kwargs['num_classes'] = whole.num_classes
@@ -193,6 +196,23 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
     from timm.models import load_pretrained
     from ..checkpoint import CheckpointError
     where = cfg.get('file') or cfg.get('hf_hub_id') or cfg.get('url') or 'the pretrained cfg'
+    # safetensors only: timm's loaders would fall back to pickle files (pytorch_model.bin, .pth) where a folder,
+    # a Hub repo or a file holds no safetensors. The branches follow the order in which load_pretrained picks
+    # its source.
+    source = cfg.get('source')
+    if source == 'local-dir':
+        if not os.path.isfile(os.path.join(cfg.get('file') or '', 'model.safetensors')):
+            raise CheckpointError(f'{where} holds no model.safetensors: weights are read from safetensors only (a '
+                                  f'pytorch_model.bin or other pickle file is never read); `timm-patchmix hub export` '
+                                  f'writes such a folder')
+    elif source == 'hf-hub' or (cfg.get('state_dict') is None and not cfg.get('file') and cfg.get('hf_hub_id')):
+        cfg = dict(cfg, hf_hub_filename='model.safetensors')  # a repo without it fails; no .bin is tried
+        where = f'{where} (its model.safetensors: weights are read from safetensors only)'
+    elif cfg.get('state_dict') is None:
+        named = cfg.get('file') or cfg.get('url')
+        if named and not str(named).endswith('.safetensors'):
+            raise CheckpointError(f'{where} is not a .safetensors file: weights are read from safetensors only (a '
+                                  f'pickle file such as .pth or .bin is never read)')
     try:
         load_pretrained(model, cfg, num_classes=model.num_classes, in_chans=in_chans, cache_dir=cache_dir)
     except SafetensorError as e:
