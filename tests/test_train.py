@@ -189,3 +189,87 @@ def test_fashion_mnist_idx_files_greyscale(tmp_path, in_chans):
     assert weights['backbone.conv1.weight'].shape[1] == in_chans
     with pytest.raises(FileNotFoundError, match='apt-get install -y dataset-fashion-mnist'):
         FashionMNISTFiles(str(tmp_path / 'empty'), 'train')
+
+
+def test_plateau_schedule_resumes_with_its_counters(tmp_path):
+    """A plateau schedule's counters (best score, epochs without improvement, cool-down) travel with the state, so
+    a resumed run lowers its rate at the epoch the uninterrupted run does; a schedule of the epoch alone records
+    none."""
+    from timm.scheduler import create_scheduler_v2
+    from timm_patchmix.checkpoint import load_state
+    from timm_patchmix.engine.records import load_scheduler_state, scheduler_state
+
+    def schedule():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched, _ = create_scheduler_v2(opt, sched='plateau', num_epochs=30, patience_epochs=2, decay_rate=0.1,
+                                       plateau_mode='max', warmup_epochs=0)
+        return opt, sched
+
+    metrics = [1.0, 2.0, 2.0, 2.0, 1.0, 1.5, 1.0, 0.5, 0.5, 0.5]
+    opt, full = schedule()
+    lrs_full = []
+    for e, m in enumerate(metrics):
+        full.step(e + 1, m)
+        lrs_full.append(opt.param_groups[0]['lr'])
+    opt_a, first = schedule()
+    for e, m in enumerate(metrics[:4]):
+        first.step(e + 1, m)
+    saved = scheduler_state(first)
+    assert saved['num_bad_epochs'] == 2 and saved['best'] == 2.0
+    opt_b, resumed = schedule()
+    opt_b.param_groups[0]['lr'] = opt_a.param_groups[0]['lr']  # the optimizer state carries the rate
+    resumed.step(4)
+    load_scheduler_state(resumed, saved)
+    lrs = []
+    for e, m in enumerate(metrics[4:], start=4):
+        resumed.step(e + 1, m)
+        lrs.append(opt_b.param_groups[0]['lr'])
+    assert lrs == lrs_full[4:] and lrs_full[4] < lrs_full[3]  # the drop lands on the same epoch
+    # through train.py: the state records the counters, and a resume from it runs
+    res = run(tmp_path, '--sched', 'plateau')
+    meta = load_state(os.path.join(res['output'], 'state.safetensors'))['meta']
+    assert set(meta['scheduler']) == {'best', 'num_bad_epochs', 'cooldown_counter', 'last_epoch'}
+    assert meta['scheduler']['last_epoch'] == 2
+    again = main(TINY[:-1] + ['3', '--sched', 'plateau', '--resume', os.path.join(res['output'], 'state.safetensors')])
+    assert [r['epoch'] for r in again['rows']] == [0, 1, 2]
+    cosine = run(tmp_path, name='cosine')
+    assert load_state(os.path.join(cosine['output'], 'state.safetensors'))['meta']['scheduler'] is None
+
+
+def test_resume_refuses_a_state_of_another_shape_or_with_damaged_rows(tmp_path, capsys):
+    """A resume whose model shape changed (--in-chans) is a named settings change (exit 2); a state whose tensors do
+    not fit the model, or whose rows lack a column, is an `error: cannot resume ...` (exit 1), never a traceback,
+    and nothing is written."""
+    from timm_patchmix.checkpoint import load_state, save_state
+    from timm_patchmix.train import cli
+    res = run(tmp_path)
+    state = os.path.join(res['output'], 'state.safetensors')
+    assert cli(TINY + ['--resume', state, '--in-chans', '1']) == 2
+    err = capsys.readouterr().err
+    assert '--in-chans: None before, 1 now' in err and 'Traceback' not in err, err
+    st = load_state(state)
+    for name, change in (('no_fc', lambda m, meta: m.pop('fc.weight')),
+                         ('rows', lambda m, meta: meta['rows'][0].pop('eval_top1'))):
+        model_state, meta = dict(st['model']), json.loads(json.dumps(st['meta']))
+        change(model_state, meta)
+        folder = tmp_path / name
+        folder.mkdir()
+        bad = str(folder / 'state.safetensors')
+        save_state(bad, model_state, None, {k: v for k, v in meta.items() if k not in ('optimizer', 'rng')})
+        with pytest.raises(SystemExit) as e:  # train.py prints it and exits 1
+            cli(TINY + ['--epochs', '3', '--resume', bad])
+        assert str(e.value).startswith('error: cannot resume') and name in str(e.value), str(e.value)
+        assert not os.path.exists(folder / 'args.yaml')  # refused before anything was written
+
+
+def test_num_classes_error_names_the_image_folder(tmp_path):
+    from PIL import Image
+    for split in ('train', 'validation'):
+        for c in ('a', 'b', 'c'):
+            os.makedirs(tmp_path / 'folder' / split / c)
+            for i in range(2):
+                Image.new('RGB', (32, 32), (40 * i, 0, 0)).save(tmp_path / 'folder' / split / c / f'{i}.png')
+    with pytest.raises(SystemExit, match=f'--num-classes 10 does not match the 3 classes of the image folder '
+                                         f'{tmp_path / "folder"}'):
+        main(['--data-dir', str(tmp_path / 'folder'), '--num-classes', '10', '--epochs', '1', '-b', '2', '-j', '0',
+              '--output', str(tmp_path / 'out')])

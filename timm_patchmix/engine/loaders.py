@@ -86,8 +86,9 @@ def build_datasets(cfg: TrainConfig) -> Datasets:
         raise TrainSetupError(str(e)) from None
     n = dataset_num_classes(train)
     if cfg.num_classes is not None and cfg.num_classes != n:
-        raise TrainSetupError(f'--num-classes {cfg.num_classes} does not match the {n} classes of dataset '
-                              f'{cfg.dataset or "patchshapes"}')
+        where = (f'dataset {cfg.dataset}' if cfg.dataset else
+                 f'the image folder {cfg.data_dir}' if cfg.data_dir else 'dataset patchshapes')
+        raise TrainSetupError(f'--num-classes {cfg.num_classes} does not match the {n} classes of {where}')
     return Datasets(train, val, n, test, holdout)
 
 

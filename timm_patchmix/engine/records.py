@@ -14,18 +14,18 @@ import yaml
 from .config import TrainConfig
 from .errors import TrainSetupError
 
-__all__ = ['RESUME_SETTINGS', 'resume_settings', 'csv_text', 'weights_meta', 'ResumePoint', 'load_resume',
-           'write_start', 'save_epoch']
+__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'resume_settings', 'csv_text', 'weights_meta', 'ResumePoint', 'load_resume',
+           'scheduler_state', 'load_scheduler_state', 'write_start', 'save_epoch']
 
-# what a resumed run must share with the run that wrote its state: the data, the grid, how batches are mixed and
-# scored, and which parameters train (the schedule, --epochs, --lr..., may change on a resume; --model and the class
-# count are checked apart)
-RESUME_SETTINGS = ('dataset', 'train_split', 'train_subset', 'holdout', 'holdout_seed', 'grid', 'patchmix',
-                   'patchmix_mode', 'patchmix_collate',
+# what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
+# size, --model-kwargs), the grid, how batches are mixed and scored, and which parameters train (the schedule,
+# --epochs, --lr..., may change on a resume; --model and the class count are checked apart)
+RESUME_SETTINGS = ('dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'model_kwargs', 'train_subset',
+                   'holdout', 'holdout_seed', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
-                   'no_prefetcher', 'device_data', 'smoothing', 'no_patch_loss', 'no_image_loss', 'patch_loss_weight',
-                   'per_position_head', 'reset_head', 'linear_probe')
+                   'no_prefetcher', 'device_data', 'smoothing', 'no_patch_loss', 'no_image_loss',
+                   'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
@@ -81,6 +81,11 @@ class ResumePoint:
     updates: int = 0
     model_state: Optional[Dict[str, torch.Tensor]] = None
     optimizer_state: Optional[Dict[str, Any]] = None
+    scheduler_state: Optional[Dict[str, Any]] = None
+
+
+# the columns of summary.csv, one row per epoch
+ROW_KEYS = ('epoch', 'train_loss', 'eval_loss', 'eval_top1', 'eval_top5', 'lr', 'img_s')
 
 
 def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
@@ -104,8 +109,38 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
                    'Resume with the settings it was trained with, or train the new settings afresh (without '
                    '--resume) under another --output/--experiment.')
     meta = st['meta']
-    return ResumePoint(int(meta['epoch']) + 1, list(meta.get('rows', [])), meta.get('best'),
-                       int(meta.get('updates', 0)), st['model'], st['optimizer'])
+    rows = list(meta.get('rows', []))
+    for k, row in enumerate(rows):
+        if set(row) != set(ROW_KEYS):
+            raise TrainSetupError(f'cannot resume: {cfg.resume}: rows[{k}] has the columns {sorted(row)}, not those '
+                                  f'of summary.csv ({", ".join(ROW_KEYS)})')
+    sched = meta.get('scheduler')
+    if sched is not None and not (isinstance(sched, dict) and all(
+            isinstance(sched.get(k), (int, float)) and not isinstance(sched.get(k), bool) for k in SCHEDULER_KEYS)):
+        raise TrainSetupError(f'cannot resume: {cfg.resume}: scheduler must hold the numbers '
+                              f'{", ".join(SCHEDULER_KEYS)}, got {sched!r}')
+    return ResumePoint(int(meta['epoch']) + 1, rows, meta.get('best'), int(meta.get('updates', 0)), st['model'],
+                       st['optimizer'], sched)
+
+
+# what a plateau schedule counts between epochs (torch's ReduceLROnPlateau inside timm's PlateauLRScheduler), saved
+# with the state so that a resumed run drops its rate at the epoch the uninterrupted run does
+SCHEDULER_KEYS = ('best', 'num_bad_epochs', 'cooldown_counter', 'last_epoch')
+
+
+def scheduler_state(scheduler) -> Optional[Dict[str, Any]]:
+    """The counters of a plateau schedule (``None`` for schedules that are a function of the epoch alone)."""
+    inner = getattr(scheduler, 'lr_scheduler', None)
+    if not isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return None
+    return {k: getattr(inner, k) for k in SCHEDULER_KEYS}
+
+
+def load_scheduler_state(scheduler, state: Optional[Dict[str, Any]]) -> None:
+    inner = getattr(scheduler, 'lr_scheduler', None)
+    if state is not None and isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        for k in SCHEDULER_KEYS:
+            setattr(inner, k, state[k])
 
 
 def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> None:

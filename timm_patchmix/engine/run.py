@@ -17,7 +17,8 @@ from .errors import TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
-from .records import ResumePoint, load_resume, resume_settings, save_epoch, weights_meta, write_start
+from .records import (ResumePoint, load_resume, load_scheduler_state, resume_settings, save_epoch, scheduler_state,
+                      weights_meta, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -167,12 +168,17 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     settings = resume_settings(cfg.record())
     start = load_resume(cfg, settings)
     if start.model_state is not None:
-        model.load_state_dict(start.model_state)
-        if start.optimizer_state is not None:
-            optimizer.load_state_dict(start.optimizer_state)
+        try:
+            model.load_state_dict(start.model_state)
+            if start.optimizer_state is not None:
+                optimizer.load_state_dict(start.optimizer_state)
+        except (RuntimeError, ValueError, KeyError) as e:  # tensors or groups that do not fit this model
+            raise TrainSetupError(f'cannot resume from {cfg.resume}: its saved state does not fit the model and '
+                                  f'optimizer of this run: {e}') from None
         _say(rt, f'resuming from {cfg.resume} at epoch {start.start_epoch}')
     if start.start_epoch > 0:
         scheduler.step(start.start_epoch)
+        load_scheduler_state(scheduler, start.scheduler_state)
     autocast, scaler = amp_setup(cfg, rt.device)
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
                       autocast, scaler, start.updates, frozen)
@@ -292,7 +298,8 @@ class _EpochWriter:
         cfg = self.cfg
         save_epoch(self.out_dir, self.model, self.optimizer, dict(self.meta, epoch=epoch, metrics=row),
                    {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
-                    'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings}, improved)
+                    'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings,
+                    'scheduler': scheduler_state(self.stepper.scheduler)}, improved)
         print(f"epoch {epoch}: train_loss {row['train_loss']:.4f} eval_loss {row['eval_loss']:.4f} top1 "
               f"{row['eval_top1']:.2f} top5 {row['eval_top5']:.2f} lr {row['lr']:.4g} {row['img_s']:.0f} img/s",
               flush=True)
