@@ -76,13 +76,17 @@ class PatchMixParams:
             raise ValueError(f'params.partner holds indices outside [0, {n})')
 
 
-def _number(value, name: str, low: float, high: float = math.inf, *, high_open: bool = False) -> float:
+def _number(value, name: str, low: float, high: float = math.inf, *, low_open: bool = False,
+            high_open: bool = False) -> float:
     """``value`` as a float, or a ``ValueError`` naming it unless it is a finite real number (numpy's included,
-    not a bool) in ``[low, high]`` (``[low, high)`` with ``high_open``)."""
+    not a bool) in ``[low, high]`` (an end excluded with ``low_open`` / ``high_open``)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value) \
-        and low <= value and (value < high if high_open else value <= high)
+        and (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
     if not ok:
-        span = f'>= {low:g}' if high == math.inf else f'in [{low:g}, {high:g}{")" if high_open else "]"}'
+        if high == math.inf:
+            span = f'{">" if low_open else ">="} {low:g}'
+        else:
+            span = f'in {"(" if low_open else "["}{low:g}, {high:g}{")" if high_open else "]"}'
         raise ValueError(f'{name} must be a finite number {span}, got {value!r}')
     return float(value)
 
@@ -503,9 +507,7 @@ class PatchMix:
     def __init__(self, grid: GridSpec = 4, alpha: float = 1.0, prob: float = 1.0, mode: str = 'elem',
                  label_smoothing: float = 0.0, num_classes: Optional[int] = None, cuda_graph: bool = True):
         self.grid = to_grid(grid)
-        if not isinstance(alpha, numbers.Real) or isinstance(alpha, (bool, np.bool_)) or \
-                not (alpha > 0 and math.isfinite(alpha)):
-            raise ValueError(f'alpha must be a finite number > 0, got {alpha!r}')
+        alpha = _number(alpha, 'alpha', 0.0, low_open=True)
         prob = _number(prob, 'prob', 0.0, 1.0)
         if mode not in MIX_MODES:
             raise ValueError(f'mode must be one of {MIX_MODES}, got {mode!r}')
