@@ -2,6 +2,7 @@
 temporaries, and the search's hall of fame and gene-score cache are exact."""
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -120,8 +121,10 @@ BAD_TABLES = {  # name: (change, the field the error names)
     'class_names short': (_set(['class_names'], list(PATCHSHAPES_CLASSES[:9])), r'class_names must be a list of 10'),
     'class_names not strings': (_set(['class_names', 3], 3), r'class_names\[3\] must be a string'),
     'fingerprint number': (_set(['dataset_fingerprint'], 5), r'dataset_fingerprint must be'),
-    'score string': (_set(['pairs', 0, 'score'], 'low'), r'pairs\[0\]\.score must be a number'),
-    'best_fitness string': (_set(['best_fitness'], 'x'), r'best_fitness must be a number'),
+    'score string': (_set(['pairs', 0, 'score'], 'low'), r'pairs\[0\]\.score must be a finite number'),
+    'best_fitness string': (_set(['best_fitness'], 'x'), r'best_fitness must be a finite number'),
+    'score infinite': (_set(['pairs', 0, 'score'], float('inf')), r'pairs\[0\]\.score must be a finite number'),
+    'best_fitness -infinite': (_set(['best_fitness'], -float('inf')), r'best_fitness must be a finite number'),
     'pair names': (_set(['pairs', 0, 'names'], ['square', 'disc']), r'pairs\[0\]\.names'),
     'pairs not a list': (_set(['pairs'], {'0': 1}), r'pairs must be a list'),
     'pair not an object': (_set(['pairs', 0], [0, 3]), r'pairs\[0\] must be an object'),
@@ -158,6 +161,48 @@ def test_good_mask_table_variants_load(tmp_path):
     assert t.class_names == [] and np.array_equal(t.masks[0], np.eye(4, dtype=bool))
     example = os.path.join(ROOT, 'timm_patchmix', 'weights', 'patchhead_resnet32_cifar.gpm_fmnist', 'masks.json')
     assert len(MaskTable.load(example).pairs) == 10
+
+
+def test_unknown_scores_are_written_as_standard_json_null(tmp_path):
+    """A score of NaN (unknown: a hand-written table, or the bare ``NaN`` older files hold) loads as NaN and is
+    written as ``null``, so the file stays standard JSON; an infinite score cannot be saved."""
+    doc = good_table_doc()
+    doc['pairs'].append(dict(doc['pairs'][0], classes=[1, 4], names=[doc['class_names'][1], doc['class_names'][4]],
+                             score=0.25))
+    doc['pairs'][0]['score'] = None
+    del doc['pairs'][1]['score']
+    doc['best_fitness'] = float('nan')  # json.dump writes the bare NaN
+    path = str(tmp_path / 'masks.json')
+    with open(path, 'w') as f:
+        json.dump(doc, f)
+    t = MaskTable.load(path)
+    assert math.isnan(t.scores[0]) and math.isnan(t.scores[1]) and math.isnan(t.best_fitness)
+    assert t.scores[2] == 0.25
+    out = str(tmp_path / 'again.json')
+    t.save(out)
+
+    def no_constants(name):
+        raise AssertionError(f'{out} holds the non-standard JSON constant {name}')
+    with open(out) as f:
+        again = json.load(f, parse_constant=no_constants)
+    assert again['best_fitness'] is None and again['pairs'][0]['score'] is None and again['pairs'][1]['score'] is None
+    reloaded = MaskTable.load(out)
+    assert math.isnan(reloaded.scores[1]) and reloaded.scores[2] == 0.25
+    from timm_patchmix.hub.card import model_card  # the Hub card lists the table: an unknown score reads so
+    card = model_card('user/repo', 'patchhead_resnet32_cifar', {'data': {}}, None, again, None)
+    assert '(search fitness unknown)' in card and card.count('| unknown |') == 2, card
+    assert '| 0.250 |' in card
+    t.scores[0] = float('inf')
+    with pytest.raises(MaskTableError, match='finite or unknown'):
+        t.save(str(tmp_path / 'inf.json'))
+    assert not os.path.exists(tmp_path / 'inf.json')
+
+
+def test_deeply_nested_table_is_a_mask_table_error(tmp_path):
+    path = tmp_path / 'masks.json'
+    path.write_text('{"schema_version": 1, "pairs": ' + '[' * 200000 + ']' * 200000 + '}')
+    with pytest.raises(MaskTableError, match='nests its JSON too deeply'):
+        MaskTable.load(str(path))
 
 
 # --- state.safetensors, checkpoint metadata, config.json -------------------------------------------------------
@@ -236,6 +281,12 @@ def test_tampered_checkpoint_metadata_is_refused(ckpt, tmp_path):
         with pytest.raises(CheckpointError, match=message) as e:
             hub.model_from_weights(bad)
         assert 'bad.safetensors' in str(e.value), name
+    for text in ('{"kind": ', '{"kind": ' + '[' * 200000 + ']' * 200000 + '}'):  # cut, nested too deeply
+        with safe_open(ckpt, framework='pt') as f:
+            md = dict(f.metadata(), timm_patchmix=text)
+        save_file(load_file(ckpt), str(tmp_path / 'bad.safetensors'), metadata=md)
+        with pytest.raises(CheckpointError, match='bad.safetensors has corrupt metadata'):
+            hub.model_from_weights(str(tmp_path / 'bad.safetensors'))
     # the search says so in one line
     bad = tamper(ckpt, str(tmp_path / 'bad.safetensors'), BAD_META['pretrained'][0])
     with pytest.raises(SystemExit, match="error: .*model_kwargs holds 'pretrained'"):

@@ -303,9 +303,10 @@ def test_damaged_files_and_unregistered_architectures(trained, tmp_path):
         hub.load_model(f'local-dir:{folder}')
     with pytest.raises(SystemExit, match='unknown model .patchhead_no_such_net.'):
         train_main(TINY + ['--model', f'local-dir:{folder}', '--output', str(tmp_path / 'o')])
-    open(cfg_path, 'w').write('{"architecture": ')
-    with pytest.raises(CheckpointError, match='not readable JSON'):
-        hub.load_model(f'local-dir:{folder}')
+    for text in ('{"architecture": ', '{"architecture": ' + '[' * 200000 + ']' * 200000 + '}'):  # cut, too deep
+        open(cfg_path, 'w').write(text)
+        with pytest.raises(CheckpointError, match='not readable JSON'):
+            hub.load_model(f'local-dir:{folder}')
     os.remove(cfg_path)
     with pytest.raises(CheckpointError, match='no config.json'):
         hub.load_model(f'local-dir:{folder}')

@@ -262,6 +262,35 @@ def test_resume_refuses_a_state_of_another_shape_or_with_damaged_rows(tmp_path, 
         assert not os.path.exists(folder / 'args.yaml')  # refused before anything was written
 
 
+def test_a_resume_that_stops_before_its_first_epoch_keeps_args_yaml(tmp_path):
+    """args.yaml describes the files in its folder: a resume (here with more --epochs) that stops before it saves an
+    epoch leaves the record of the run that wrote them; the first epoch it saves brings its own."""
+    from timm_patchmix.engine import train
+    from timm_patchmix.train import parse_config
+
+    class Stop(Exception):
+        pass
+
+    def stop(event):
+        raise Stop
+
+    res = run(tmp_path, '--epochs', '1')
+    args_path = os.path.join(res['output'], 'args.yaml')
+    with open(args_path) as f:
+        before = f.read()
+    assert yaml.safe_load(before)['epochs'] == 1
+    state = os.path.join(res['output'], 'state.safetensors')
+    cfg = parse_config(TINY[:-1] + ['2', '--resume', state])
+    with pytest.raises(Stop):
+        train(cfg, on_step=stop)
+    with open(args_path) as f:
+        assert f.read() == before
+    train(cfg)
+    with open(args_path) as f:
+        assert yaml.safe_load(f)['epochs'] == 2
+    assert [r['epoch'] for r in read_csv(os.path.join(res['output'], 'summary.csv'))] == ['0', '1']
+
+
 def test_num_classes_error_names_the_image_folder(tmp_path):
     from PIL import Image
     for split in ('train', 'validation'):

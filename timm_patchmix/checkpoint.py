@@ -152,7 +152,7 @@ def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         raise CheckpointError(f'{path} is not a readable safetensors file (truncated or corrupt?): {e}') from None
     try:
         meta = json.loads(md.get(_META_KEY, '{}'))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f'{path} has corrupt metadata: {e}') from None
     if not isinstance(meta, dict):
         raise CheckpointError(f'{path}: the {_META_KEY} metadata must be a JSON object, got {type(meta).__name__}')

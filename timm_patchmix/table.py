@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .checkpoint import atomic_write_text
-from .validation import Fields, is_int
+from .validation import Fields, is_int, is_number
 
 __all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION']
 
@@ -25,6 +26,23 @@ def dataset_fingerprint(dataset: str, class_names: Sequence[str]) -> str:
     """A short hash naming a dataset by its name and ordered class names (the same for every split)."""
     doc = json.dumps({'dataset': dataset or 'patchshapes', 'classes': list(class_names)}, sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def _finite_or_none(value: float) -> Optional[float]:
+    """A score as standard JSON: a number, or ``null`` for an unknown (NaN) one."""
+    value = float(value)
+    if math.isnan(value):
+        return None
+    if not math.isfinite(value):
+        raise MaskTableError(f'a mask table score must be finite or unknown (NaN), got {value}')
+    return value
+
+
+def _score(f: Fields, value: Any, field: str) -> float:
+    """A finite score, or NaN for an unknown one (``null``, a missing field, or the ``NaN`` older files hold)."""
+    if value is None or (is_number(value) and math.isnan(value)):
+        return float('nan')
+    return float(f.number(value, field, finite=True))
 
 
 @dataclass
@@ -48,14 +66,14 @@ class MaskTable:
             'num_classes': self.num_classes,
             'class_names': list(self.class_names),
             'dataset_fingerprint': self.fingerprint,
-            'best_fitness': self.best_fitness,
+            'best_fitness': _finite_or_none(self.best_fitness),
             'pairs': [{'classes': [int(i), int(j)],
                        'names': [self.class_names[i], self.class_names[j]] if self.class_names else None,
-                       'mask': np.asarray(m, dtype=int).tolist(), 'score': float(s)}
+                       'mask': np.asarray(m, dtype=int).tolist(), 'score': _finite_or_none(s)}
                       for (i, j), m, s in zip(self.pairs, self.masks, self.scores)],
             'search_args': self.search_args,
         }
-        return json.dumps(doc, indent=1)
+        return json.dumps(doc, indent=1, allow_nan=False)
 
     def save(self, path: str) -> None:
         atomic_write_text(path, self.to_json())
@@ -97,11 +115,10 @@ class MaskTable:
             if pair_names is not None and names:
                 if pair_names != [names[i], names[j]]:
                     f.fail(f'{field_k}.names', f'the class names of ({i}, {j}), {[names[i], names[j]]!r}', pair_names)
-            score = e.get('score', float('nan'))
             pairs.append((i, j))
             masks.append(np.array(mask, dtype=bool).reshape(rows, cols))
-            scores.append(float(f.number(score, f'{field_k}.score')))
-        best = float(f.number(doc.get('best_fitness', float('nan')), 'best_fitness'))
+            scores.append(_score(f, e.get('score'), f'{field_k}.score'))
+        best = _score(f, doc.get('best_fitness'), 'best_fitness')
         search_args = doc.get('search_args')
         search_args = {} if search_args is None else dict(f.dict(search_args, 'search_args'))
         return cls((rows, cols), n, names, fingerprint, pairs, masks, scores, best, search_args)
@@ -117,6 +134,8 @@ class MaskTable:
             raise MaskTableError(f'mask table {path} does not exist') from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MaskTableError(f'mask table {path} is not valid JSON (truncated or corrupt?): {e}') from None
+        except RecursionError:
+            raise MaskTableError(f'mask table {path} nests its JSON too deeply to be a mask table') from None
         except OSError as e:
             raise MaskTableError(f'mask table {path} cannot be read: {e}') from None
         got = doc.get('schema_version') if isinstance(doc, dict) else None

@@ -15,7 +15,7 @@ from .config import TrainConfig
 from .errors import TrainSetupError
 
 __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'resume_settings', 'csv_text', 'weights_meta', 'ResumePoint', 'load_resume',
-           'scheduler_state', 'load_scheduler_state', 'write_start', 'save_epoch']
+           'scheduler_state', 'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, and which parameters train (the schedule,
@@ -143,13 +143,25 @@ def load_scheduler_state(scheduler, state: Optional[Dict[str, Any]]) -> None:
             setattr(inner, k, state[k])
 
 
-def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> None:
-    """``args.yaml`` (the resolved settings), and ``summary.csv`` when resuming with rows."""
+def write_args(out_dir: str, cfg: TrainConfig) -> None:
+    """``args.yaml``: the resolved settings of the run whose files the folder holds."""
+    from ..checkpoint import atomic_write_text
+    atomic_write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(cfg.record(), sort_keys=False))
+
+
+def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]], resuming: bool = False) -> bool:
+    """``args.yaml`` (the resolved settings), and ``summary.csv`` when resuming with rows. A resume into a folder
+    that already has an ``args.yaml`` keeps it until its first epoch is saved (``write_args``), so a resume that
+    fails before then leaves the record of the files already there; returns whether ``args.yaml`` is still to
+    write."""
     from ..checkpoint import atomic_write_text
     os.makedirs(out_dir, exist_ok=True)
-    atomic_write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(cfg.record(), sort_keys=False))
+    pending = resuming and os.path.isfile(os.path.join(out_dir, 'args.yaml'))
+    if not pending:
+        write_args(out_dir, cfg)
     if rows:
         atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(rows))
+    return pending
 
 
 def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, Any], state_meta: Dict[str, Any],

@@ -18,7 +18,7 @@ from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_d
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
 from .records import (ResumePoint, load_resume, load_scheduler_state, resume_settings, save_epoch, scheduler_state,
-                      weights_meta, write_start)
+                      weights_meta, write_args, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -183,10 +183,11 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
                       autocast, scaler, start.updates, frozen)
     out_dir = _out_dir(cfg)
+    args_pending = False
     # one process writes a run folder at a time: a second run on it stops here, before it writes anything
     with hold_folder(out_dir, 'training run', TrainSetupError) if rt.primary else nullcontext():
         if rt.primary:
-            write_start(out_dir, cfg, start.rows)
+            args_pending = write_start(out_dir, cfg, start.rows, resuming=start.model_state is not None)
             n_params = sum(p.numel() for p in model.parameters())
             if cfg.linear_probe:
                 n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -198,7 +199,8 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
             _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
                      f'epochs, batch {cfg.batch_size} x {rt.world_size}, lr {cfg.lr:g}, output {out_dir}')
         writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
-                              weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper)
+                              weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper,
+                              args_pending=args_pending)
         rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, writer, on_step)
         test = None
         if loaders.test is not None:  # the test split, once: the final weights first
@@ -290,6 +292,7 @@ class _EpochWriter:
     meta: Dict[str, Any]
     settings: Dict[str, Any]
     stepper: Stepper
+    args_pending: bool = False  # a resume's args.yaml, written with its first saved epoch
 
     def __call__(self, epoch: int, row: Dict[str, Any], improved: bool, rows: List[Dict[str, Any]],
                  best: Dict[str, Any]) -> None:
@@ -300,6 +303,9 @@ class _EpochWriter:
                    {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
                     'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings,
                     'scheduler': scheduler_state(self.stepper.scheduler)}, improved)
+        if self.args_pending:
+            write_args(self.out_dir, cfg)
+            self.args_pending = False
         print(f"epoch {epoch}: train_loss {row['train_loss']:.4f} eval_loss {row['eval_loss']:.4f} top1 "
               f"{row['eval_top1']:.2f} top5 {row['eval_top5']:.2f} lr {row['lr']:.4g} {row['img_s']:.0f} img/s",
               flush=True)

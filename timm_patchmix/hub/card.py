@@ -78,6 +78,13 @@ def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str
     return []
 
 
+def _score(value: Any, digits: Optional[int] = None) -> str:
+    """A table score for the card: ``unknown`` where the table has none (``null``, or NaN in older files)."""
+    if value is None or value != value:
+        return 'unknown'
+    return f'{value:.{digits}f}' if digits is not None else str(value)
+
+
 def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[Dict[str, Any]],
                table: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]] = None) -> str:
     data = meta.get('data') or {}
@@ -109,13 +116,14 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
     lines += protocol_lines(metrics, results)
     if table:
         names = table.get('class_names') or [str(i) for i in range(int(table.get('num_classes', 0)))]
-        lines += ['', '## Mask table', '', f'`masks.json` (search fitness {table.get("best_fitness")}): the class '
+        best = table.get('best_fitness')
+        lines += ['', '## Mask table', '', f'`masks.json` (search fitness {_score(best)}): the class '
                   'pairs and cell masks this model trained on; 1 = the cell comes from the first class.', '',
                   '| pair | mask (rows) | score |', '|---|---|---|']
         for p in table.get('pairs', []):
             mask = ' / '.join(''.join(str(int(b)) for b in row) for row in p['mask'])
             a, b = p['classes']
-            lines.append(f'| {names[a]} + {names[b]} | `{mask}` | {p.get("score", float("nan")):.3f} |')
+            lines.append(f'| {names[a]} + {names[b]} | `{mask}` | {_score(p.get("score"), 3)} |')
     lines += ['', '## Citation', '', '```bibtex', '@inproceedings{cascante2021patchmix,',
               '  title     = {Evolving Image Compositions for Feature Representation Learning},',
               '  author    = {Cascante-Bonilla, Paola and Sekhon, Arshdeep and Qi, Yanjun and Ordonez, Vicente},',

@@ -68,7 +68,7 @@ def _read_config(source: str, cache_dir=None) -> Dict[str, Any]:
     try:
         with open(path, encoding='utf-8') as f:
             cfg = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f'{source}: config.json is not readable JSON ({e})') from e
     if not isinstance(cfg, dict) or not isinstance(cfg.get('architecture'), str):
         raise CheckpointError(f'{source}: config.json names no architecture; it is not a timm model config')
