@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
-           'default_crop_padding', 'small_image_transform', 'pixel_transform', 'read_idx']
+           'default_crop_padding', 'small_image_transform', 'pixel_transform', 'read_idx', 'DatasetError',
+           'shared_files']
 
 _logger = logging.getLogger(__name__)
 
@@ -144,19 +145,27 @@ FASHION_MNIST_CLASSES = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 
                          'Ankle boot')
 
 
+class DatasetError(ValueError):
+    """Dataset files that cannot be used as they are: damaged, inconsistent, or splits that do not fit together."""
+
+
 def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file (optionally gzipped) into a numpy array."""
+    """Read an IDX file (optionally gzipped) into a numpy array (:class:`DatasetError` for a damaged file)."""
     import gzip
+    import zlib
     opener = gzip.open if path.endswith('.gz') else open
-    with opener(path, 'rb') as f:
-        data = f.read()
+    try:
+        with opener(path, 'rb') as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DatasetError(f'{path} is damaged (truncated or not gzip data: {e}); fetch the file again') from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise ValueError(f'{path} is not an unsigned-byte IDX file')
+        raise DatasetError(f'{path} is not an unsigned-byte IDX file')
     ndim = data[3]
     dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big') for i in range(ndim)]
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
-        raise ValueError(f'{path} is truncated: header says {dims}, found {body.size} values')
+        raise DatasetError(f'{path} is truncated: header says {dims}, found {body.size} values')
     return body.reshape(dims)
 
 
@@ -184,8 +193,18 @@ class FashionMNISTFiles(_LabelledImages):
                     f'Install it with `apt-get install -y dataset-fashion-mnist` (files go to {FASHION_MNIST_DIR}), '
                     f'or pass --data-dir pointing to a folder with the IDX files')
             paths.append(found)
-        self.images = read_idx(paths[0])
-        self.targets = read_idx(paths[1]).astype(np.int64).tolist()
+        images, labels = read_idx(paths[0]), read_idx(paths[1])
+        if images.ndim != 3 or labels.ndim != 1:
+            raise DatasetError(f'{paths[0]} and {paths[1]} must hold images [N, H, W] and labels [N], got shapes '
+                               f'{list(images.shape)} and {list(labels.shape)}')
+        if len(images) != len(labels):
+            raise DatasetError(f'{paths[0]} holds {len(images)} images and {paths[1]} {len(labels)} labels: the '
+                               f'files come from different splits or one is damaged')
+        if labels.size and int(labels.max()) >= len(self.classes):
+            raise DatasetError(f'{paths[1]} holds the label {int(labels.max())}; Fashion-MNIST has '
+                               f'{len(self.classes)} classes (0 to {len(self.classes) - 1})')
+        self.images = images
+        self.targets = labels.astype(np.int64).tolist()
         self.transform = transform
         self.split = key
 
@@ -288,8 +307,39 @@ class PILView(Dataset):
         return (self.transform(img) if self.transform is not None else img), int(target)
 
 
-def open_dataset(name: str, root: str = '', split: str = 'train', download: bool = False) -> Tuple[Dataset, list]:
-    """The whole ``split`` of dataset ``name`` and its class names (see :func:`build_dataset` for the names)."""
+def open_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
+                 class_names: Optional[Sequence[str]] = None) -> Tuple[Dataset, list]:
+    """The whole ``split`` of dataset ``name`` and its class names (see :func:`build_dataset` for the names).
+
+    ``class_names``: the classes the labels must follow, in order (the training split's). An image folder
+    labels its class subfolders by their sorted names, split by split, so a validation folder that lacks a class
+    would shift the labels after it: such a split is opened with the training split's class map instead, and one
+    with a class the training split lacks is a :class:`DatasetError`."""
+    base, classes = _open_dataset(name, root, split, download)
+    if class_names is None or not classes or list(classes) == list(class_names):
+        return base, classes
+    where = f'split {split!r} of {root or name}'
+    extra = [c for c in classes if c not in class_names]
+    if extra or not hasattr(getattr(base, 'reader', None), 'class_to_idx'):
+        raise DatasetError(f'the {where} has the classes {list(classes)}, the training split {list(class_names)}'
+                           + (f': {extra} are not training classes' if extra else '')
+                           + '; every split needs the training split\'s classes')
+    from timm.data import create_dataset
+    base = create_dataset(name, root=root, split=split, is_training=is_train_split(split), download=download,
+                          class_map={c: i for i, c in enumerate(class_names)})
+    return base, list(class_names)
+
+
+def shared_files(a: Dataset, b: Dataset) -> int:
+    """How many image files datasets ``a`` and ``b`` (timm image folders) both read; 0 for other datasets."""
+    fa, fb = getattr(a, 'filenames', None), getattr(b, 'filenames', None)
+    if not (callable(fa) and callable(fb)):
+        return 0
+    import os
+    return len({os.path.realpath(f) for f in fa(absolute=True)} & {os.path.realpath(f) for f in fb(absolute=True)})
+
+
+def _open_dataset(name: str, root: str, split: str, download: bool) -> Tuple[Dataset, list]:
     import os
     eval_split = not is_train_split(split)
     if name in ('', 'patchshapes') and not (name == '' and root):
@@ -342,16 +392,18 @@ def make_view(base: Dataset, classes, indices=None) -> 'PILView':
 
 
 def build_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
-                  subset: Optional[int] = None, subset_seed: int = 0) -> PILView:
+                  subset: Optional[int] = None, subset_seed: int = 0,
+                  class_names: Optional[Sequence[str]] = None) -> PILView:
     """Open a dataset as a :class:`PILView` with ``classes`` set.
 
     ``name``: ``''`` or ``'patchshapes'`` (embedded default; with ``''`` and a ``root``, an image folder as in
     timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), ``'sklearn_digits'``
     (:class:`SklearnDigits`, from scikit-learn; ``root`` is not used), or any timm dataset name
     (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
-    ``subset`` of the items (:func:`subset_indices`).
+    ``subset`` of the items (:func:`subset_indices`). ``class_names``: the training split's classes, which the
+    labels of an evaluation split must follow (see :func:`open_dataset`).
     """
-    base, classes = open_dataset(name, root, split, download)
+    base, classes = open_dataset(name, root, split, download, class_names)
     indices = None
     if subset is not None and subset < len(base):
         indices = subset_indices(range(len(base)), subset, subset_seed)

@@ -66,7 +66,7 @@ def build_datasets(cfg: TrainConfig) -> Datasets:
     :mod:`timm_patchmix.holdout`) is held out first; ``--train-subset`` is drawn from the rest and ``--val-subset``
     caps the held-out part, so the held-out images do not change with the subset sizes. ``--val-split`` becomes the
     test split (``--test-subset`` caps it)."""
-    from ..data import build_dataset, dataset_num_classes, make_view, open_dataset
+    from ..data import DatasetError, build_dataset, dataset_num_classes, make_view, open_dataset
     from ..holdout import Holdout, HoldoutError
     test = holdout = None
     try:
@@ -78,11 +78,15 @@ def build_datasets(cfg: TrainConfig) -> Datasets:
                 raise ConfigError(str(e)) from None
             train_idx, val_idx = hold.subsets(cfg.train_subset, cfg.val_subset)
             train, val, holdout = make_view(base, classes, train_idx), make_view(base, classes, val_idx), hold.record()
-            test = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.test_subset)
+            test = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.test_subset,
+                                 class_names=classes or None)
+            _check_disjoint(cfg, base, test.base, 'test')
         else:
             train = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, cfg.dataset_download, cfg.train_subset)
-            val = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.val_subset)
-    except FileNotFoundError as e:
+            val = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.val_subset,
+                                class_names=train.classes or None)
+            _check_disjoint(cfg, train.base, val.base, 'validation')
+    except (FileNotFoundError, DatasetError) as e:
         raise TrainSetupError(str(e)) from None
     n = dataset_num_classes(train)
     if cfg.num_classes is not None and cfg.num_classes != n:
@@ -90,6 +94,19 @@ def build_datasets(cfg: TrainConfig) -> Datasets:
                  f'the image folder {cfg.data_dir}' if cfg.data_dir else 'dataset patchshapes')
         raise TrainSetupError(f'--num-classes {cfg.num_classes} does not match the {n} classes of {where}')
     return Datasets(train, val, n, test, holdout)
+
+
+def _check_disjoint(cfg: TrainConfig, train, other, role: str) -> None:
+    """An image folder without a subfolder for ``--val-split`` gives timm's reader the whole folder for both splits:
+    refused, since the evaluation would score training images."""
+    from ..data import DatasetError, shared_files
+    n = shared_files(train, other)
+    if n:
+        raise DatasetError(
+            f'the {role} split {cfg.val_split!r} of {cfg.data_dir or cfg.dataset} shares {n} image files with the '
+            f'training split {cfg.train_split!r} (a folder without a subfolder for each split is read whole for '
+            f'both): give it a train/ and a validation/ subfolder, name them with --train-split/--val-split'
+            + (', or hold out part of the training images with --holdout F' if not cfg.holdout else ''))
 
 
 def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
@@ -104,15 +121,17 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
 
 def _transforms(cfg: TrainConfig):
     from timm.data import create_transform
-    from ..data import small_image_transform
+    from torchvision import transforms as T
+    from ..data import _ImageMode, small_image_transform
     dc = cfg.data_config
-    in_chans, size = dc.input_size[0], dc.input_size[-1]
-    if max(dc.input_size[1:]) <= 64:
-        return (small_image_transform(size, True, in_chans, cfg.prefetch, dc.mean, dc.std),
-                small_image_transform(size, False, in_chans, cfg.prefetch, dc.mean, dc.std))
+    in_chans, h, w = dc.input_size
+    if max(h, w) <= 64 and h == w:  # the CIFAR-style crop and flip is square; other shapes get timm's transforms
+        return (small_image_transform(h, True, in_chans, cfg.prefetch, dc.mean, dc.std),
+                small_image_transform(h, False, in_chans, cfg.prefetch, dc.mean, dc.std))
     common = dict(use_prefetcher=cfg.prefetch, mean=dc.mean, std=dc.std, interpolation=dc.interpolation)
-    return (create_transform(dc.input_size, is_training=True, **common),
-            create_transform(dc.input_size, is_training=False, crop_pct=dc.crop_pct, **common))
+    mode = _ImageMode(in_chans)  # greyscale made RGB for a 3-channel model (and back), as on the small-image path
+    return (T.Compose([mode, create_transform(dc.input_size, is_training=True, **common)]),
+            T.Compose([mode, create_transform(dc.input_size, is_training=False, crop_pct=dc.crop_pct, **common)]))
 
 
 def build_mixing(cfg: TrainConfig, class_names):

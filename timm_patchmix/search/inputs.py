@@ -144,7 +144,7 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     """The images of ``cfg``'s split (see :func:`_scored_split`), checked against the model's classes; ``--val-subset``
     keeps a fixed random subset of them (of the held-out images by the rule ``train.py --val-subset`` uses, so
     the same value scores the images f_T's epochs were evaluated on)."""
-    from ..data import build_dataset, dataset_num_classes, make_view, open_dataset
+    from ..data import DatasetError, build_dataset, dataset_num_classes, make_view, open_dataset
     from ..holdout import Holdout, HoldoutError
     data = meta.get('data', {})
     dataset = cfg.dataset if cfg.dataset is not None else data.get('dataset', '')
@@ -153,15 +153,17 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     holdout = data.get('holdout') if split == HOLDOUT else None
     try:
         if holdout is not None:
-            base, classes = open_dataset(dataset, data_dir, data.get('train_split', 'train'))
+            base, classes = open_dataset(dataset, data_dir, data.get('train_split', 'train'),
+                                         class_names=meta.get('class_names') or None)
             try:
                 hold = Holdout.from_record(holdout, len(base), f'{cfg.checkpoint}')
             except HoldoutError as e:
                 raise SearchError(str(e)) from None
             ds = make_view(base, classes, hold.subsets(val_subset=cfg.val_subset)[1])
         else:
-            ds = build_dataset(dataset, data_dir, split, subset=cfg.val_subset)
-    except FileNotFoundError as e:
+            ds = build_dataset(dataset, data_dir, split, subset=cfg.val_subset,
+                               class_names=meta.get('class_names') or None)
+    except (FileNotFoundError, DatasetError) as e:
         raise SearchError(str(e)) from None
     try:
         num_classes = dataset_num_classes(ds)

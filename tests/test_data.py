@@ -1,0 +1,146 @@
+"""The dataset readers and the training engine's data path: damaged or mismatched IDX files, image folders whose
+splits disagree on their classes or share their images, and input sizes the transforms must give exactly."""
+import dataclasses
+import gzip
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix.data import DatasetError, FashionMNISTFiles, build_dataset, read_idx
+from timm_patchmix.engine import DataConfig, TrainSetupError
+from timm_patchmix.engine.loaders import _transforms, build_datasets
+from timm_patchmix.train import cli, parse_config
+
+TINY = ['--train-subset', '16', '--val-subset', '8', '-b', '8', '-j', '0', '--no-progress', '--epochs', '1']
+
+
+def write_idx(path, array, gz=True):
+    array = np.asarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + b''.join(int(d).to_bytes(4, 'big') for d in array.shape)
+    with (gzip.open if gz else open)(path, 'wb') as f:
+        f.write(header + array.tobytes())
+
+
+def fmnist(folder, n_images=12, n_labels=12, labels=None):
+    """Fashion-MNIST-shaped IDX files: image k is filled with the value k, its label k % 10."""
+    os.makedirs(folder, exist_ok=True)
+    images = np.stack([np.full((28, 28), k, dtype=np.uint8) for k in range(n_images)])
+    labels = np.arange(n_labels) % 10 if labels is None else np.asarray(labels)
+    for split, stem in (('train', 'train'), ('test', 't10k')):
+        write_idx(os.path.join(folder, f'{stem}-images-idx3-ubyte.gz'), images)
+        write_idx(os.path.join(folder, f'{stem}-labels-idx1-ubyte.gz'), labels)
+    return str(folder)
+
+
+def test_fashion_mnist_files_are_read_exactly(tmp_path):
+    ds = FashionMNISTFiles(fmnist(tmp_path / 'ok'), 'train')
+    assert len(ds) == 12 and ds.targets == [k % 10 for k in range(12)]
+    img, label = ds[7]
+    assert label == 7 and np.array_equal(np.asarray(img), np.full((28, 28), 7, dtype=np.uint8))
+
+
+@pytest.mark.parametrize('case, message', [
+    ('fewer labels', r'holds 12 images and .*10 labels: the files come from different splits'),
+    ('more labels', r'holds 12 images and .*14 labels'),
+    ('label 10', r'holds the label 10; Fashion-MNIST has 10 classes'),
+    ('truncated gzip', r'is damaged \(truncated or not gzip data'),
+    ('not gzip', r'is damaged \(truncated or not gzip data'),
+    ('not idx', r'is not an unsigned-byte IDX file'),
+    ('labels 2-d', r'must hold images \[N, H, W\] and labels \[N\]'),
+])
+def test_damaged_or_mismatched_fashion_mnist_files_are_named(tmp_path, case, message, capsys):
+    root = tmp_path / 'fm'
+    if case == 'fewer labels':
+        fmnist(root, n_labels=10)
+    elif case == 'more labels':
+        fmnist(root, n_labels=14)
+    elif case == 'label 10':
+        fmnist(root, labels=[10] + [0] * 11)
+    elif case == 'labels 2-d':
+        fmnist(root)
+        write_idx(root / 'train-labels-idx1-ubyte.gz', np.zeros((12, 1)))
+    else:
+        fmnist(root)
+        path = root / 'train-images-idx3-ubyte.gz'
+        data = path.read_bytes()
+        path.write_bytes({'truncated gzip': data[:len(data) // 2], 'not gzip': b'plain bytes, not gzip',
+                          'not idx': gzip.compress(b'\x01\x02\x03\x04' + data[4:])}[case])
+    with pytest.raises(DatasetError, match=message):
+        FashionMNISTFiles(str(root), 'train')
+    # train.py: one error line and exit 1, and no run folder
+    with pytest.raises(SystemExit) as e:
+        cli(TINY + ['--dataset', 'fashion_mnist', '--data-dir', str(root), '--output', str(tmp_path / 'out'),
+                    '--experiment', 'x'])
+    assert str(e.value).startswith('error: ') and 'Traceback' not in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / 'out' / 'x')
+
+
+def test_read_idx_reads_plain_and_gzipped_files(tmp_path):
+    a = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    write_idx(tmp_path / 'a', a, gz=False)
+    write_idx(tmp_path / 'a.gz', a)
+    assert np.array_equal(read_idx(str(tmp_path / 'a')), a) and np.array_equal(read_idx(str(tmp_path / 'a.gz')), a)
+
+
+def image_folder(root, splits):
+    """``splits``: {split: [class names]}, two images per class; an image's pixel value names its class."""
+    value = {}
+    for split, classes in splits.items():
+        for c in classes:
+            d = os.path.join(root, split, c) if split else os.path.join(root, c)
+            os.makedirs(d, exist_ok=True)
+            v = value.setdefault(c, 40 * (len(value) + 1))
+            for i in range(2):
+                Image.new('RGB', (8, 8), (v, v, v)).save(os.path.join(d, f'{i}.png'))
+    return str(root), value
+
+
+def test_a_validation_folder_missing_a_class_keeps_the_training_labels(tmp_path):
+    root, value = image_folder(tmp_path / 'f', {'train': ['ant', 'bee', 'cat'], 'validation': ['ant', 'cat']})
+    data = build_datasets(parse_config(['--data-dir', root]))
+    assert data.train.classes == ['ant', 'bee', 'cat'] and data.val.classes == ['ant', 'bee', 'cat']
+    names = data.train.classes
+    for ds in (data.train, data.val):  # every image's label names the class its pixels say
+        for k in range(len(ds)):
+            img, label = ds[k]
+            assert np.asarray(img)[0, 0, 0] == value[names[label]]
+    assert sorted(data.val[k][1] for k in range(len(data.val))) == [0, 0, 2, 2]
+    # the same for a split opened by name with the training classes (search, robustness)
+    val = build_dataset('', root, 'validation', class_names=names)
+    assert sorted(val[k][1] for k in range(len(val))) == [0, 0, 2, 2]
+
+
+def test_a_validation_class_the_training_split_lacks_is_refused(tmp_path, capsys):
+    root, _ = image_folder(tmp_path / 'f', {'train': ['ant', 'cat'], 'validation': ['ant', 'bee', 'cat']})
+    with pytest.raises(TrainSetupError, match=r"split 'validation' .*\['bee'\] are not training classes"):
+        build_datasets(parse_config(['--data-dir', root]))
+
+
+@pytest.mark.parametrize('holdout', [False, True])
+def test_a_folder_without_split_subfolders_is_not_its_own_validation_set(tmp_path, holdout):
+    root, _ = image_folder(tmp_path / 'flat', {'': ['ant', 'bee']})
+    args = ['--data-dir', root] + (['--holdout', '0.5'] if holdout else [])
+    with pytest.raises(TrainSetupError, match=r'shares 4 image files with the training split') as e:
+        build_datasets(parse_config(args))
+    assert ('--holdout F' in str(e.value)) != holdout
+    # with split subfolders the splits are disjoint and accepted
+    root, _ = image_folder(tmp_path / 'split', {'train': ['ant', 'bee'], 'validation': ['ant', 'bee']})
+    data = build_datasets(parse_config(['--data-dir', root]))
+    assert len(data.train) == 4 and len(data.val) == 4
+
+
+@pytest.mark.parametrize('input_size', [(3, 32, 48), (3, 48, 32), (3, 32, 32), (3, 72, 72), (1, 30, 20)])
+@pytest.mark.parametrize('prefetch', [True, False])
+def test_transforms_give_the_input_size_of_the_data_config(input_size, prefetch):
+    """Training and evaluation images come out at exactly the (channels, height, width) the run records, for a
+    greyscale source too; a square input of at most 64 px takes the CIFAR-style path, any other timm's."""
+    cfg = parse_config([] if prefetch else ['--no-prefetcher'])
+    c = input_size[0]
+    cfg = dataclasses.replace(cfg, data_config=DataConfig(input_size, (0.5,) * c, (0.25,) * c, 'bilinear', 0.875))
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8), mode='L')
+    for t in _transforms(cfg):
+        out = np.asarray(t(img))
+        assert out.shape == input_size, (t, out.shape)
