@@ -422,3 +422,24 @@ def test_pipeline_refuses_a_phase_made_before_the_holdout(tmp_path):
     write_settings(str(out / 'seed0' / 'base' / SETTINGS_FILE), old)
     with pytest.raises(SettingsChangedError, match=r'--holdout: 0.0 before, 0.1 now'):
         pipeline_main(['--output', str(out), '--methods', 'base', '--train-args', '--train-subset', '32'])
+
+
+@pytest.mark.parametrize('dataset, data_dir, split, test_split, same', [
+    ('sklearn_digits', '', 'validation', 'test', True),   # SklearnDigits opens one evaluation split by any name
+    ('torch/cifar10', 'data', 'validation', 'test', True),  # timm opens torchvision's train=False for any name
+    ('torch/Fashion_MNIST', 'data', 'val', 'validation', True),
+    ('fashion_mnist', '', 'validation', 'test', True),
+    ('', '', 'validation', 'test', True),                 # the embedded data
+    ('', 'my_images', 'validation', 'test', False),       # an image folder: split names are folders
+    ('torch/image_folder', 'data', 'validation', 'test', False),
+    ('sklearn_digits', '', 'train', 'test', False),
+])
+def test_which_split_names_open_the_test_split(dataset, data_dir, split, test_split, same):
+    from timm_patchmix.search.inputs import _is_test_split
+    assert _is_test_split(dataset, data_dir, split, test_split) is same
+
+
+def test_sklearn_digits_evaluation_names_open_one_split():
+    from timm_patchmix.data import SklearnDigits
+    val, test, train = (list(SklearnDigits(s).indices) for s in ('validation', 'test', 'train'))
+    assert val == test and len(val) == 500 and not set(val) & set(train)

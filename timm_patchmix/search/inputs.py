@@ -108,11 +108,19 @@ class ValidationData:
         return x.to(device)
 
 
+# datasets whose every evaluation split name opens one split: the embedded data, the IDX files, scikit-learn's
+# digits, and the torchvision sets timm opens with a train flag (train or not)
+ONE_EVAL_SPLIT = ('patchshapes', 'fashion_mnist', 'sklearn_digits')
+ONE_EVAL_SPLIT_TORCH = ('cifar10', 'cifar100', 'mnist', 'kmnist', 'fashion_mnist')
+
+
 def _is_test_split(dataset: str, data_dir: str, split: str, test_split: str) -> bool:
-    """``split`` reads the test split ``test_split``: the same name, or (for the embedded data and Fashion-MNIST, whose
-    evaluation names all open one split) any evaluation split."""
+    """``split`` reads the test split ``test_split``: the same name, or (for a dataset whose evaluation names all
+    open one split, see ``ONE_EVAL_SPLIT``) any evaluation split."""
     from ..data import is_train_split
-    one_eval_split = dataset in ('patchshapes', 'fashion_mnist') or (dataset == '' and not data_dir)
+    prefix, sep, rest = dataset.partition('/')
+    one_eval_split = (dataset in ONE_EVAL_SPLIT or (dataset == '' and not data_dir)
+                      or (bool(sep) and prefix.lower() == 'torch' and rest.lower() in ONE_EVAL_SPLIT_TORCH))
     return split == test_split or (one_eval_split and not is_train_split(split) and not is_train_split(test_split))
 
 
