@@ -291,6 +291,24 @@ def test_a_resume_that_stops_before_its_first_epoch_keeps_args_yaml(tmp_path):
     assert [r['epoch'] for r in read_csv(os.path.join(res['output'], 'summary.csv'))] == ['0', '1']
 
 
+def test_robustness_command_evaluates_a_patch_loss_only_model_as_train_does(tmp_path, capsys):
+    """A model trained with --no-image-loss is evaluated by its patch head; the checkpoint says so, and
+    `timm-patchmix robustness` on it gives train.py --fgsm's numbers exactly."""
+    from timm_patchmix import robustness
+    res = run(tmp_path, '--no-image-loss', '--patchmix', '--epochs', '1', '--fgsm', '0.05', name='noimg')
+    with open(os.path.join(res['output'], 'fgsm.json')) as f:
+        trained = json.load(f)
+    weights, meta = load_weights(os.path.join(res['output'], 'last.safetensors'))
+    assert meta['patchmix']['image_loss'] is False
+    out = tmp_path / 'again'
+    out.mkdir()
+    assert robustness.main(['--checkpoint', os.path.join(res['output'], 'last.safetensors'), '--eps', '0.05',
+                            '--val-subset', '40', '-b', '16', '--output', str(out)]) == 0
+    assert 'evaluating its patch head' in capsys.readouterr().out
+    with open(out / 'fgsm.json') as f:
+        assert json.load(f) == trained
+
+
 def test_num_classes_error_names_the_image_folder(tmp_path):
     from PIL import Image
     for split in ('train', 'validation'):

@@ -127,6 +127,11 @@ def main(argv=None) -> int:
         print(f'error: {e}', file=sys.stderr)
         return 1
     cfg = resolve_data_config({}, model=model)
+    if (meta.get('patchmix') or {}).get('image_loss') is False:  # trained without the image loss: as train.py
+        from .engine.loop import PatchVote  # evaluates it, by its patch head (its image classifier never trained)
+        model = PatchVote(model).eval()
+        print(f'{args.checkpoint} was trained without the image loss: evaluating its patch head (the mean of its '
+              f'cell logits), as train.py does')
     ds.transform = pixel_transform(*data.get('input_size', cfg['input_size']))
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),

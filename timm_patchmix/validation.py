@@ -193,6 +193,8 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
         f.grid(pm['grid'], 'patchmix.grid')
     if pm.get('table') is not None:
         f.str(pm['table'], 'patchmix.table', nonempty=True)
+    if pm.get('image_loss') is not None:
+        f.bool(pm['image_loss'], 'patchmix.image_loss')
     if meta.get('command') is not None:
         f.str(meta['command'], 'command')
     return meta

@@ -65,7 +65,8 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
         'data': {'dataset': cfg.dataset, 'data_dir': cfg.data_dir, 'train_split': cfg.train_split,
                  'val_split': cfg.val_split, 'holdout': holdout,
                  'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std)},
-        'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None}
+        'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None,
+                     'image_loss': not cfg.no_image_loss}
         if cfg.patch_head or cfg.patchmix else None,
         'command': cfg.command or None,
     }
