@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import timm_patchmix  # noqa: F401
@@ -144,3 +145,20 @@ def test_transforms_give_the_input_size_of_the_data_config(input_size, prefetch)
     for t in _transforms(cfg):
         out = np.asarray(t(img))
         assert out.shape == input_size, (t, out.shape)
+
+
+@pytest.mark.parametrize('input_size, interpolation, crop_pct', [
+    ((3, 32, 32), 'bilinear', 1.0), ((3, 32, 48), 'bicubic', 0.9), ((3, 96, 96), 'bicubic', 0.875),
+    ((1, 80, 64), 'bilinear', 0.95)])
+def test_pixels_of_fgsm_and_search_are_validation_pixels_before_normalisation(input_size, interpolation, crop_pct):
+    """FGSM perturbs, and the search scores, ``pixel_transform``'s pixels: normalised, they must be exactly what
+    validation feeds the model, at every size and shape (a non-square 120x160 source image here)."""
+    from timm_patchmix.data import image_transform, pixel_transform
+    c = input_size[0]
+    mean, std = (0.2, 0.4, 0.6)[:c], (0.3, 0.2, 0.25)[:c]
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (120, 160, 3), dtype=np.uint8))
+    val = image_transform(input_size, False, False, mean, std, interpolation, crop_pct)(img)
+    pixels = pixel_transform(*input_size, interpolation, crop_pct)(img)
+    assert pixels.shape == input_size and 0 <= pixels.min() and pixels.max() <= 1
+    normalised = (pixels - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)
+    assert torch.allclose(normalised, val, rtol=0, atol=1e-6), (normalised - val).abs().max()

@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
-           'default_crop_padding', 'small_image_transform', 'pixel_transform', 'read_idx', 'DatasetError',
+           'default_crop_padding', 'small_image_transform', 'image_transform', 'pixel_transform', 'read_idx',
+           'DatasetError',
            'shared_files']
 
 _logger = logging.getLogger(__name__)
@@ -453,7 +454,26 @@ class _ImageMode:
         return img.convert(self.mode)
 
 
-def pixel_transform(in_chans: int, height: int, width: int):
-    """PIL image -> float tensor ``[in_chans, height, width]`` in [0, 1], no augmentation and no normalisation."""
+def image_transform(input_size, is_training: bool, use_prefetcher: bool, mean, std,
+                    interpolation: str = 'bilinear', crop_pct: Optional[float] = None):
+    """The transform ``train.py`` gives images of ``input_size`` ``(C, H, W)``: for a square input of at most 64 px
+    the CIFAR-style :func:`small_image_transform`, else timm's ``create_transform`` (``crop_pct`` and
+    ``interpolation`` as the model's data config says), after the image is made greyscale or RGB for ``C``."""
+    in_chans, h, w = input_size
+    if max(h, w) <= 64 and h == w:  # the CIFAR-style crop and flip is square; other shapes get timm's transforms
+        return small_image_transform(h, is_training, in_chans, use_prefetcher, mean, std)
+    from timm.data import create_transform
     from torchvision import transforms as T
-    return T.Compose([T.Lambda(_ImageMode(in_chans)), T.Resize((height, width)), T.ToTensor()])
+    extra = {} if is_training else {'crop_pct': crop_pct}
+    return T.Compose([_ImageMode(in_chans),
+                      create_transform(tuple(input_size), is_training=is_training, use_prefetcher=use_prefetcher,
+                                       mean=mean, std=std, interpolation=interpolation, **extra)])
+
+
+def pixel_transform(in_chans: int, height: int, width: int, interpolation: str = 'bilinear',
+                    crop_pct: Optional[float] = None):
+    """PIL image -> float tensor ``[in_chans, height, width]`` in [0, 1]: the evaluation transform of
+    :func:`image_transform` without its normalisation, so ``(pixels - mean) / std`` is what validation feeds the
+    model (FGSM perturbs these pixels; the search scores them)."""
+    return image_transform((in_chans, height, width), False, False, (0.0,) * in_chans, (1.0,) * in_chans,
+                           interpolation, crop_pct)

@@ -132,7 +132,9 @@ def main(argv=None) -> int:
         model = PatchVote(model).eval()
         print(f'{args.checkpoint} was trained without the image loss: evaluating its patch head (the mean of its '
               f'cell logits), as train.py does')
-    ds.transform = pixel_transform(*data.get('input_size', cfg['input_size']))
+    ds.transform = pixel_transform(*data.get('input_size', cfg['input_size']),  # as validation made them
+                                   data.get('interpolation', cfg['interpolation']),
+                                   data.get('crop_pct', cfg['crop_pct']))
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),
                         data.get('std', cfg['std']), device)

@@ -186,6 +186,8 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
         f.fail('data.std', 'positive numbers', data['std'])
     if data.get('crop_pct') is not None:
         f.number(data['crop_pct'], 'data.crop_pct', lo=0.0)
+    if data.get('interpolation') is not None:
+        f.str(data['interpolation'], 'data.interpolation', nonempty=True)
     pm = meta.get('patchmix') or {}
     if pm.get('enabled') is not None:
         f.bool(pm['enabled'], 'patchmix.enabled')

@@ -120,18 +120,11 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
 
 
 def _transforms(cfg: TrainConfig):
-    from timm.data import create_transform
-    from torchvision import transforms as T
-    from ..data import _ImageMode, small_image_transform
+    """The training and evaluation transforms of a resolved ``cfg`` (:func:`~timm_patchmix.data.image_transform`)."""
+    from ..data import image_transform
     dc = cfg.data_config
-    in_chans, h, w = dc.input_size
-    if max(h, w) <= 64 and h == w:  # the CIFAR-style crop and flip is square; other shapes get timm's transforms
-        return (small_image_transform(h, True, in_chans, cfg.prefetch, dc.mean, dc.std),
-                small_image_transform(h, False, in_chans, cfg.prefetch, dc.mean, dc.std))
-    common = dict(use_prefetcher=cfg.prefetch, mean=dc.mean, std=dc.std, interpolation=dc.interpolation)
-    mode = _ImageMode(in_chans)  # greyscale made RGB for a 3-channel model (and back), as on the small-image path
-    return (T.Compose([mode, create_transform(dc.input_size, is_training=True, **common)]),
-            T.Compose([mode, create_transform(dc.input_size, is_training=False, crop_pct=dc.crop_pct, **common)]))
+    return tuple(image_transform(dc.input_size, training, cfg.prefetch, dc.mean, dc.std, dc.interpolation,
+                                 dc.crop_pct) for training in (True, False))
 
 
 def build_mixing(cfg: TrainConfig, class_names):

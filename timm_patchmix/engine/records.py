@@ -64,7 +64,8 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
         'class_names': list(class_names),
         'data': {'dataset': cfg.dataset, 'data_dir': cfg.data_dir, 'train_split': cfg.train_split,
                  'val_split': cfg.val_split, 'holdout': holdout,
-                 'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std)},
+                 'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std),
+                 'interpolation': dc.interpolation, 'crop_pct': dc.crop_pct},
         'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None,
                      'image_loss': not cfg.no_image_loss}
         if cfg.patch_head or cfg.patchmix else None,

@@ -318,7 +318,7 @@ def _fgsm(cfg: TrainConfig, model, data: Datasets, rt: Runtime, out_dir: str) ->
     from ..robustness import fgsm_accuracy, report
     dc = cfg.data_config
     images = data.test if data.test is not None else data.val
-    transform, images.transform = images.transform, pixel_transform(*dc.input_size)
+    transform, images.transform = images.transform, pixel_transform(*dc.input_size, dc.interpolation, dc.crop_pct)
     try:
         loader = torch.utils.data.DataLoader(images, batch_size=cfg.validation_batch_size or cfg.batch_size)
         from .loop import predictor

@@ -102,7 +102,9 @@ class ValidationData:
         c = self.data_meta['input_size'][0]
         mean = torch.tensor(adapt_to_chs(self.data_meta['mean'], c))
         std = torch.tensor(adapt_to_chs(self.data_meta['std'], c))
-        self.ds.transform = pixel_transform(*self.data_meta['input_size'])
+        self.ds.transform = pixel_transform(*self.data_meta['input_size'],  # as validation made them
+                                            self.data_meta.get('interpolation', 'bilinear'),
+                                            self.data_meta.get('crop_pct'))
         x = torch.stack([self.ds[i][0] for i in range(len(self.ds))])
         x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
         return x.to(device)
@@ -186,6 +188,11 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     names = list(ds.classes) or [str(i) for i in range(num_classes)]
     labels = np.array([ds.base.targets[i] for i in ds.indices]) if hasattr(ds.base, 'targets') else \
         np.array([ds[i][1] for i in range(len(ds))])
+    if not (data.get('interpolation') and data.get('crop_pct')):  # a checkpoint from before they were recorded:
+        from timm.data import resolve_data_config                    # the model's data config, as train.py took it
+        dc = resolve_data_config({}, model=model)
+        data = dict(data, interpolation=data.get('interpolation') or dc['interpolation'],
+                    crop_pct=data.get('crop_pct') or dc['crop_pct'])
     return ValidationData(dataset, data_dir, split, names, labels, ds, data, holdout)
 
 
