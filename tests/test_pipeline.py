@@ -413,3 +413,126 @@ def test_child_command_parses_back_to_the_run(tmp_path):
     plain = subprocess.run([sys.executable, '-c', '__import__("probe")'], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300)
     assert 'the copy in the working directory' in plain.stderr  # what python -m or a bare import would run
+
+
+# --train-args: the flags the pipeline sets itself
+
+@pytest.mark.parametrize('flags, named, instead', [
+    (['--seed', '7'], '--seed', "give the pipeline's own --seeds"),
+    (['--see=7'], '--seed (given as --see)', "give the pipeline's own --seeds"),
+    (['--experiment', 'shared'], '--experiment', 'leave it out'),
+    (['--holdout-s', '5'], '--holdout-seed (given as --holdout-s)', "give the pipeline's own --holdout-seed"),
+    (['--output', 'elsewhere'], '--output', "give the pipeline's own --output"),
+    (['--model', 'resnet20_cifar'], '--model', "give the pipeline's own --model"),
+    (['--dataset', 'fashion_mnist'], '--dataset', "give the pipeline's own --dataset"),
+    (['--mixup', '1.0'], '--mixup', "give the pipeline's own --methods"),
+    (['--patchmix'], '--patchmix', "give the pipeline's own --methods"),
+    (['--no-patch'], '--no-patch-loss (given as --no-patch)', "give the pipeline's own --final-loss"),
+])
+def test_train_args_refuse_the_flags_the_pipeline_sets(tmp_path, capsys, monkeypatch, flags, named, instead):
+    """A flag the pipeline sets for its runs would override its value from --train-args (argparse keeps the last):
+    refused with exit status 2 however it is spelt, naming it and the pipeline's flag, before anything is written."""
+    import timm_patchmix.pipeline as pipeline
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: pytest.fail('the phases ran'))
+    out = tmp_path / 'p'
+    with pytest.raises(SystemExit) as e:
+        pipeline_main(['--output', str(out), '--train-args', '--epochs', '1'] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f'error: {named} in --train-args: the pipeline sets it' in err and instead in err
+    assert not out.exists()
+
+
+def test_train_args_keep_the_budget_flags_open(tmp_path):
+    """The budget's flags, abbreviated or not, and the console flags pass the check."""
+    from timm_patchmix.pipeline import _check_train_args, build_parser
+    parser = build_parser()
+    args = parser.parse_args(['--train-args', '--epochs', '3', '--train-sub', '100', '--val-subset=50', '-b16',
+                              '--log-interval', '5', '--no-progress', '--dataset-download'])
+    _check_train_args(parser, args)
+
+
+@pytest.mark.parametrize('budget', ['smoke', 'gpu'])
+def test_owned_train_flags_cover_what_the_pipeline_sets(budget, tmp_path):
+    """Every train.py flag the pipeline passes to a training phase is either the budget's (open to --train-args), a
+    console flag, or one of OWNED_TRAIN_FLAGS (refused in --train-args); no budget flag is refused."""
+    from timm_patchmix.pipeline import (BUDGETS, OWNED_TRAIN_FLAGS, _given_flags, _train_argv, build_parser,
+                                        method_flags)
+    from timm_patchmix.train import build_parser as train_parser
+    table = tmp_path / 'masks.json'
+    table.write_text('{}')
+    budget_dests = set(_given_flags(train_parser(), BUDGETS[budget]['train'] + BUDGETS[budget]['test']))
+    assert not budget_dests & set(OWNED_TRAIN_FLAGS)
+    args = build_parser().parse_args(['--output', str(tmp_path), '--budget', budget, '--data-dir', str(tmp_path)])
+    state = tmp_path / 'seed0' / 'guided_pm' / 'state.safetensors'  # a phase to resume: --resume too
+    state.parent.mkdir(parents=True)
+    state.write_bytes(b'')
+    for name in ('base', 'mixup', 'cutmix', 'random_pm', 'guided_pm'):
+        argv = _train_argv(args, 0, name, method_flags(args, name, str(table)))
+        dests = set(_given_flags(train_parser(), argv)) - budget_dests - {'no_progress', 'log_interval'}
+        assert dests <= set(OWNED_TRAIN_FLAGS), (name, dests - set(OWNED_TRAIN_FLAGS))
+
+
+# finished phases whose records cannot be read
+
+@pytest.mark.parametrize('phase, content, why', [('random_pm', '{"method": "random_pm", "fin', 'not valid JSON'),
+                                                 ('random_pm', '[]', 'a JSON list, not an object'),
+                                                 ('guided_pm', '{"method": "guided_pm"}', 'no final_top1'),
+                                                 ('search', '"table"', 'a JSON str, not an object')])
+def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, phase, content, why):
+    """A finished phase's done.json that is truncated, not an object or lacks what the report reads stops the rerun
+    with exit status 1 and one error line naming the file and the folder to delete, before any phase runs."""
+    from timm_patchmix.pipeline import cli
+    out = tmp_path / 'out'
+    argv = ['--output', str(out), '--methods', 'random_pm', 'guided_pm'] + TINY_TRAIN
+    _finished_phases(out, argv)
+    done = out / 'seed0' / phase / 'done.json'
+    done.write_text(content)
+    before = snapshot(out)
+    assert cli(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and err.count('\n') == 1 and 'Traceback' not in err
+    assert f'{done} is not a phase record ({why}' in err and f'delete {out / "seed0" / phase}' in err
+    assert snapshot(out) == before
+
+
+def test_corrupt_mask_table_of_a_finished_search_is_one_error_line(tmp_path, capsys):
+    """The finished search's masks.json that is not a mask table (corrupt, or an edited file) stops the guided phase
+    with exit status 1 and one error line naming the table and the search folder to delete."""
+    from timm_patchmix.pipeline import cli
+    import shutil
+    out = tmp_path / 'out'
+    argv = ['--output', str(out), '--methods', 'random_pm', 'guided_pm'] + TINY_TRAIN
+    _, table = _finished_phases(out, argv)
+    shutil.rmtree(out / 'seed0' / 'guided_pm')  # not started yet: it reads the table now
+    for text in ('{"schema_version": 1, "pai', '{"pairs": []}\n'):
+        table.write_text(text)
+        assert cli(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith('error: mask table ') and err.count('\n') == 1 and str(table) in err
+        assert f'delete {out / "seed0" / "search"}' in err
+        assert not (out / 'seed0' / 'search' / 'guided_samples.png').exists()
+
+
+def test_report_budget_gives_the_sizes_in_effect_and_the_files_that_exist(tmp_path):
+    """A split smaller than its --*-subset is used whole: the budget line gives the images the runs counted ("all N,
+    fewer than the M asked for"), as the Splits line does; Files lists only the files --output holds."""
+    import argparse
+    from timm_patchmix.pipeline import report
+    splits = {'selection': 'holdout', 'test': 'validation', 'train_images': 1024, 'val_images': 200,
+              'test_images': 250, 'holdout': {'fraction': 0.1, 'seed': 0, 'images': 200}}
+    runs = [dict(r, splits=splits, split='test') for r in _fake_runs({'base': [70.0], 'random_pm': [80.0]})]
+    args = argparse.Namespace(dataset='', model='resnet32_cifar', budget='smoke', seeds=[0], holdout=0.1,
+                              holdout_seed=0, final_loss='image', methods=['base', 'random_pm'],
+                              output=str(tmp_path), train_args=[])
+    text = report(args, runs)
+    rep = json.load(open(tmp_path / 'report.json'))
+    assert ('1,024 training images (a fixed random subset), all 200 held-out validation images (fewer than the 300 '
+            'asked for), all 250 test images (fewer than the 300 asked for)') in text
+    assert (rep['budget_detail']['val_images'], rep['budget_detail']['test_images']) == (200, 250)
+    assert rep['budget_detail']['requested'] == {'val_images': 300, 'test_images': 300}
+    assert '(`validation`, 250 images)' in text  # the Splits line agrees
+    assert 'Files: per-run folders under `seed*/`.' in text and 'fitness.png' not in text
+    args.methods = ['random_pm', 'guided_pm']
+    (tmp_path / 'masks.json').write_text('{}')
+    text = report(args, [dict(r, method=m) for r, m in zip(runs, args.methods)])
+    assert 'Files: `masks.json` (the searched mask table), per-run folders under `seed*/`.' in text

@@ -178,9 +178,9 @@ def test_export_of_a_plain_model_replaces_leftovers_of_a_killed_export(tmp_path)
     from timm_patchmix.train import parse_config
     out = str(tmp_path / 'study')
     train(parse_config(['--model', 'resnet20_cifar', '--train-subset', '32', '--val-subset', '16', '-b', '16',
-                        '--epochs', '1', '-j', '0', '--no-progress', '--device', 'cpu', '--output', out,
-                        '--experiment', 'base_s0']))
-    study._mark(out, 'base/s0', {'output': os.path.join(out, 'base_s0')})
+                        '--epochs', '1', '-j', '0', '--no-progress', '--device', 'cpu',
+                        '--output', os.path.join(out, 'base'), '--experiment', 's0']))  # base/s0's folder
+    study._mark(out, 'base/s0', {'output': os.path.join(out, 'base', 's0')})
     folder = os.path.join(out, 'export', 'base_s0')
     os.makedirs(os.path.join(folder, 'hub'))
     with open(os.path.join(folder, 'hub', 'config.json'), 'w') as f:
@@ -198,3 +198,128 @@ def test_export_of_a_plain_model_replaces_leftovers_of_a_killed_export(tmp_path)
     got = timm.create_model('local-dir:' + info['folder'], pretrained=True)
     w, g = want.state_dict(), got.state_dict()
     assert w.keys() == g.keys() and all(torch.equal(w[k], g[k]) for k in w)
+
+
+class _Stop(Exception):
+    """Raised by a stand-in for training, search, export or measurement, with the inputs it was given."""
+
+
+def _record(out, name, **rec):
+    study._mark(out, name, dict({'wall_s': 1.0}, **rec))
+
+
+def test_tasks_read_earlier_tasks_files_from_the_studys_own_folders(tmp_path, monkeypatch):
+    """A task finds the files of the tasks it reads in their folders under --output, not through the paths their
+    done.json recorded (which name another study after a move, or a relative --output run from elsewhere)."""
+    import timm_patchmix.engine
+    import timm_patchmix.hub.load
+    import timm_patchmix.search
+    import timm_patchmix.search.generalise
+    import timm_patchmix.train
+    out, other = str(tmp_path / 'study'), str(tmp_path / 'other')
+    tasks = study.build_tasks(study.QUICK)
+    for name, files in (('random_pm/s0', ['best.safetensors']), ('search/s0', ['masks.json']),
+                        ('export/base_s0', ['hub/config.json'])):
+        for f in files:
+            for root in (out, other):
+                os.makedirs(os.path.dirname(os.path.join(root, name, f)), exist_ok=True)
+                with open(os.path.join(root, name, f), 'w') as fh:
+                    fh.write('{}')
+        elsewhere = os.path.join(other, name)  # what a study run from another directory recorded
+        _record(out, name, output=elsewhere, table=os.path.join(elsewhere, 'masks.json'),
+                folder=os.path.join(elsewhere, 'hub'), final_top1=1.0, best_top1=1.0, rows=[], best_fitness=0.0)
+    seen = {}
+
+    def stop(key):
+        def fn(*a, **k):
+            seen[key] = a[0]
+            raise _Stop
+        return fn
+    monkeypatch.setattr(timm_patchmix.train, 'parse_config', stop('train'))
+    monkeypatch.setattr(timm_patchmix.search, 'parse_config', stop('search'))
+    monkeypatch.setattr(timm_patchmix.hub.load, 'model_from_weights', stop('export'))
+    monkeypatch.setattr(timm_patchmix.search.generalise, 'table_generalisation', lambda ck, table, **k: stop(
+        'generalise')((ck, table)))
+    for name in ('guided_pm/s0', 'search_max/s0', 'export/random_pm_s0',
+                 f'k_sweep/k{study.QUICK["search"]["k"]}_generalise'):  # on search/s0
+        with pytest.raises(_Stop):
+            study.run_task(out, tasks[name])
+    flags = seen['train']
+    assert flags[flags.index('--patchmix-table') + 1] == os.path.join(out, 'search', 's0', 'masks.json')
+    assert seen['search'][seen['search'].index('--checkpoint') + 1] == os.path.join(out, 'random_pm', 's0',
+                                                                                    'best.safetensors')
+    assert seen['export'] == os.path.join(out, 'random_pm', 's0', 'best.safetensors')
+    assert seen['generalise'][0] == os.path.join(out, 'random_pm', 's0', 'best.safetensors')
+    assert seen['generalise'][1] == os.path.join(out, 'search', 's0', 'masks.json')
+    monkeypatch.setattr(timm_patchmix.train, 'parse_config', stop('transfer'))
+    with pytest.raises(_Stop):
+        study.run_task(out, tasks['transfer_probe/base_s0'])
+    assert 'local-dir:' + os.path.join(out, 'export', 'base_s0', 'hub') in seen['transfer']
+
+
+def test_a_task_whose_flags_are_refused_fails_alone(tmp_path):
+    """A task whose train.py flags their parser refuses (argparse's exit status 2) is reported FAILED with the
+    parser's message, and the other tasks go on."""
+    out = str(tmp_path / 'study')
+    tasks = {'bad/s0': study.Task('bad/s0', 'train', [], {'method': 'bad', 'seed': 0, 'flags': ['--epochs', '0']}),
+             'ok/s0': study.Task('ok/s0', 'export', [], {})}
+    logged = []
+    ran = []
+    import unittest.mock
+    with unittest.mock.patch.object(study, '_run_export', lambda out, task, folder: ran.append(task.name) or {}):
+        failed = study.schedule(out, tasks, list(tasks), 1, 1, [], logged.append)
+    assert failed == ['bad/s0'] and ran == ['ok/s0']
+    line = next(ln for ln in logged if 'FAILED' in ln)
+    assert line.startswith('[study] FAILED bad/s0: TaskConfigError: train.py refused the task\'s flags: ')
+    assert "argument --epochs: must be an integer >= 1, got '0'" in line
+
+
+def test_a_task_missing_an_earlier_tasks_file_fails_and_the_study_reports(tmp_path, capsys):
+    """A search whose f_T task is marked done but whose checkpoint is gone fails with a FAILED line naming the file;
+    the study still writes its report and exits 1."""
+    out = str(tmp_path / 'study')
+    _record(out, 'random_pm/s0', method='random_pm', seed=0, final_top1=10.0, best_top1=10.0,
+            rows=[{'epoch': 0, 'train_loss': 1.0, 'eval_loss': 1.0, 'eval_top1': 10.0}])
+    assert study.main(['--quick', '--output', out, '--tasks', 'search/s0', '--threads', '1']) == 1
+    log = capsys.readouterr().out
+    missing = os.path.join(out, 'random_pm', 's0', 'best.safetensors')
+    assert f'[study] FAILED search/s0: TaskRecordError: {missing} is missing, though task random_pm/s0 is marked ' \
+           f'done' in log
+    assert '1 task(s) failed or were skipped: search/s0' in log
+    assert os.path.isfile(os.path.join(out, 'report.md'))
+
+
+@pytest.mark.parametrize('content, why', [('{"final_top1": 1', 'not valid JSON'), ('[]', 'a JSON list, not an object'),
+                                          ('{"wall_s": 1}', 'no final_top1, best_top1, rows')])
+@pytest.mark.parametrize('flags', [['--list'], ['--report'], ['--tasks', 'base/s0']])
+def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, content, why, flags):
+    """A finished task's done.json that is truncated, not an object or lacks what the report reads: exit status 1
+    and one error line naming the file and the task folder to delete, before any task runs."""
+    out = tmp_path / 'study'
+    (out / 'base' / 's0').mkdir(parents=True)
+    (out / study.STUDY_FILE).write_text(json.dumps({'quick': True, 'settings': study.QUICK}))
+    done = out / 'base' / 's0' / 'done.json'
+    done.write_text(content)
+    assert study.cli(['--quick', '--output', str(out)] + flags) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and err.count('\n') == 1
+    assert f'{done} is not ' in err and why in err and f'delete {out / "base" / "s0"}' in err
+    assert sorted(os.listdir(out)) == ['base', study.STUDY_FILE]
+
+
+def test_output_is_a_folder_and_report_reads_an_existing_study(tmp_path, capsys):
+    """--output naming a file is a usage error; --report on a folder that holds no study.json is refused and
+    writes nothing (no folder, no study.json)."""
+    f = tmp_path / 'file'
+    f.write_text('x')
+    with pytest.raises(SystemExit) as e:
+        study.main(['--quick', '--output', str(f)])
+    assert e.value.code == 2 and f"argument --output: expects a folder, got the file '{f}'" in capsys.readouterr().err
+    for out in (tmp_path / 'none', tmp_path / 'empty'):
+        if out.name == 'empty':
+            out.mkdir()
+        with pytest.raises(SystemExit) as e:
+            study.main(['--quick', '--output', str(out), '--report'])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f'--report: {out} holds no study ({study.STUDY_FILE} is missing)' in err
+        assert out.exists() == (out.name == 'empty') and not (out / study.STUDY_FILE).exists()

@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                         '--jobs 1)')
     p.add_argument('--run-phase', default=None, help=argparse.SUPPRESS)  # SEED:NAME, a child of --jobs N
     p.add_argument('--train-args', nargs=argparse.REMAINDER, default=[], metavar='FLAG',
-                   help='extra train.py flags for every training run, e.g. --train-subset 4000 (last on the line)')
+                   help='extra train.py flags for every training run, e.g. --train-subset 4000 (last on the line); '
+                        'the flags the pipeline sets itself (--seed, --model, --dataset, --output, --holdout, '
+                        '--mixup, --patchmix...) are refused, naming the pipeline flag to give instead')
     return p
 
 
@@ -239,7 +241,7 @@ def _check_all_phases(args) -> None:
     """Compare every phase folder this run would reuse with its settings before any phase runs, so a refused rerun
     writes nothing. Files that earlier phases make (f_T, the table) are compared by content here when those phases
     are finished (and again when the phase reading them starts); a finished phase that lacks such a file raises
-    :class:`MissingPhaseOutputError`."""
+    :class:`MissingPhaseOutputError`, one whose ``done.json`` cannot be read :class:`PhaseRecordError`."""
     for seed, name, _ in phases(args):
         _check_phase(args, _phase_folder(args, seed, name),
                      _phase_settings(args, seed, _guided_settings(args) if name == 'guided_pm' else None))
@@ -248,6 +250,12 @@ def _check_all_phases(args) -> None:
         missing += _check_finished_inputs(args, seed)
     if missing:
         raise MissingPhaseOutputError('\n'.join(missing))
+    for seed, name, _ in phases(args):  # a finished phase's record that cannot be read stops the run here
+        folder = _phase_folder(args, seed, name)
+        if _done(folder) and name == 'search':
+            _read_done(folder)
+        elif _done(folder):
+            _run_done(folder, name)
 
 
 def _done(folder: str) -> bool:
@@ -256,6 +264,51 @@ def _done(folder: str) -> bool:
 
 def _mark(folder: str, info: Dict[str, Any]) -> None:
     atomic_write_text(os.path.join(folder, 'done.json'), json.dumps(info, indent=1))
+
+
+class PhaseRecordError(RuntimeError):
+    """A finished phase's ``done.json`` or mask table that cannot be read as one (truncated, edited, another
+    format): the message names the file and the folder to delete so that a rerun runs that phase again."""
+
+
+def _redo(folder: str) -> str:
+    return f'delete {folder} (and the folders of the phases made from it) to run that phase again'
+
+
+def _read_done(folder: str, need: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """The ``done.json`` record of the finished phase in ``folder``: a JSON object with the keys ``need`` (number
+    keys hold numbers), else :class:`PhaseRecordError`."""
+    path = os.path.join(folder, 'done.json')
+    try:
+        with open(path, encoding='utf-8') as fh:
+            rec = json.load(fh)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise PhaseRecordError(f'{path} is not a phase record (not valid JSON: {e}); {_redo(folder)}') from None
+    except OSError as e:
+        raise PhaseRecordError(f'{path} cannot be read ({e}); {_redo(folder)}') from None
+    if not isinstance(rec, dict):
+        raise PhaseRecordError(f'{path} is not a phase record (a JSON {type(rec).__name__}, not an object); '
+                               f'{_redo(folder)}')
+    missing = [k for k in need if k not in rec]
+    if missing:
+        raise PhaseRecordError(f'{path} is not a phase record (no {", ".join(missing)}); {_redo(folder)}')
+    for k in need:
+        if k.endswith('_top1') and (isinstance(rec[k], bool) or not isinstance(rec[k], (int, float))):
+            raise PhaseRecordError(f'{path} is not a phase record ({k} is {rec[k]!r}, not a number); '
+                                   f'{_redo(folder)}')
+    return rec
+
+
+RUN_RECORD_KEYS = ('method', 'final_top1', 'best_top1')  # what the report reads from a training phase's record
+
+
+def _run_done(folder: str, name: str) -> Dict[str, Any]:
+    """A finished training phase's record, checked (:func:`_read_done`); it must be phase ``name``'s."""
+    rec = _read_done(folder, RUN_RECORD_KEYS)
+    if rec['method'] != name:
+        raise PhaseRecordError(f'{os.path.join(folder, "done.json")} is the record of method {rec["method"]!r}, '
+                               f'not of phase {name}; {_redo(folder)}')
+    return rec
 
 
 class _Trainer:
@@ -272,16 +325,10 @@ class _Trainer:
         return result
 
 
-def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] = None,
-           trainer: Optional[_Trainer] = None, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Train phase ``name`` (train.py's ``flags`` with the budget's and ``--train-args``) unless it is done; its
-    ``done.json`` record (with ``extra``)."""
-    from .train import parse_config
+def _train_argv(args, seed: int, name: str, flags: List[str]) -> List[str]:
+    """The train.py flags of phase ``name`` before ``--train-args``: the pipeline's own (dataset, seed, folder,
+    holdout, resume, console output), the budget's and the method's ``flags``."""
     root = os.path.join(args.output, f'seed{seed}')
-    folder = os.path.join(root, name)
-    _begin_phase(args, folder, _phase_settings(args, seed, inputs))
-    if _done(folder):
-        return json.load(open(os.path.join(folder, 'done.json')))
     common = ['--dataset', args.dataset, '--seed', str(seed), '--output', root, '--experiment', name,
               '--no-progress', '--log-interval', '1000000'] + BUDGETS[args.budget]['train']
     if args.data_dir:
@@ -289,13 +336,25 @@ def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] 
     if _holdout(args):
         common += ['--holdout', repr(_holdout(args)), '--holdout-seed', str(args.holdout_seed)]
         common += BUDGETS[args.budget]['test']
-    state = os.path.join(folder, 'state.safetensors')
+    state = os.path.join(root, name, 'state.safetensors')
     if os.path.isfile(state):
         common += ['--resume', state]
+    return common + flags
+
+
+def _train(args, seed: int, name: str, flags: List[str], inputs: Dict[str, Any] = None,
+           trainer: Optional[_Trainer] = None, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Train phase ``name`` (train.py's ``flags`` with the budget's and ``--train-args``) unless it is done; its
+    ``done.json`` record (with ``extra``)."""
+    from .train import parse_config
+    folder = _phase_folder(args, seed, name)
+    _begin_phase(args, folder, _phase_settings(args, seed, inputs))
+    if _done(folder):
+        return _run_done(folder, name)
     print(f'[seed {seed}] training {name}', flush=True)
-    res = (trainer or _Trainer())(parse_config(common + flags + list(args.train_args)))
+    res = (trainer or _Trainer())(parse_config(_train_argv(args, seed, name, flags) + list(args.train_args)))
     _mark(folder, dict(run_record(name, seed, folder, res), **(extra or {})))
-    return json.load(open(os.path.join(folder, 'done.json')))
+    return _run_done(folder, name)
 
 
 def run_record(name: str, seed: int, folder: str, res) -> Dict[str, Any]:
@@ -317,6 +376,7 @@ def _search(args, seed: int, checkpoint: str) -> str:
     table = _search_table(folder)
     _begin_phase(args, folder, _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
     if _done(folder):
+        _read_done(folder)
         return table
     flags = ['--checkpoint', checkpoint, '--output', folder, '--seed', str(seed), '--no-progress']
     flags += BUDGETS[args.budget]['search']
@@ -339,35 +399,62 @@ def guided_flags(args, head: str, table: str) -> List[str]:
     return flags + (['--no-patch-loss'] if args.final_loss == 'image' else [])
 
 
+def method_flags(args, name: str, table: str = '') -> List[str]:
+    """train.py flags of training phase ``name``: the backbone and the mixing of that method (``table``: the
+    search's mask table, for ``guided_pm``)."""
+    head = f'patchhead_{args.model}'
+    if name == 'guided_pm':
+        return guided_flags(args, head, table)
+    return {'base': ['--model', args.model], 'mixup': ['--model', args.model, '--mixup', '1.0'],
+            'cutmix': ['--model', args.model, '--cutmix', '1.0'], 'random_pm': ['--model', head, '--patchmix']}[name]
+
+
 def _flag_values(flags: List[str]) -> Dict[str, str]:
     """``--name value`` pairs of a flag list (the last occurrence wins, as in argparse)."""
     return {f: v for f, v in zip(flags, flags[1:]) if f.startswith('-')}
 
 
 def budget_record(args, results: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """What the runs were given: training and validation images (the subset sizes, or the whole split), the epochs
-    the runs trained, and the search's population, generations and K."""
+    """What the runs were given: training, validation and test images (the sizes in effect, as the runs' records
+    count them, or the subset sizes asked for where no record counts them; ``None``: the whole split), the epochs the
+    runs trained, and the search's population, generations and K. ``requested`` holds the subset sizes asked for
+    where a split had fewer images, so that the run used all of them."""
     from .train import build_parser as train_parser
     test = BUDGETS[args.budget]['test'] if _holdout(args) else []
     t = train_parser().parse_args(BUDGETS[args.budget]['train'] + test + list(args.train_args))
     s = _flag_values(BUDGETS[args.budget]['search'])
     epochs = sorted({int(r['epochs']) for r in results if 'epochs' in r})
-    return {'budget': args.budget, 'train_images': t.train_subset, 'val_images': t.val_subset,
-            'test_images': t.test_subset,
-            'epochs': epochs[0] if len(epochs) == 1 else epochs, 'recipe': t.recipe,
-            'search': ({'population': int(s['--population']), 'generations': int(s['--generations']),
-                        'k': int(s['--k'])} if 'guided_pm' in args.methods else None),
-            'holdout': _holdout(args)}
+    asked = {'train_images': t.train_subset, 'val_images': t.val_subset, 'test_images': t.test_subset}
+    counted = next((r['splits'] for r in results if isinstance(r.get('splits'), dict)), {})
+    sizes, requested = {}, {}
+    for key, want in asked.items():
+        got = counted.get(key)
+        sizes[key] = want
+        if want and isinstance(got, int) and not isinstance(got, bool) and got < want:
+            sizes[key], requested[key] = got, want  # a split smaller than its subset: the run used all of it
+    out = dict({'budget': args.budget}, **sizes)
+    out.update({'epochs': epochs[0] if len(epochs) == 1 else epochs, 'recipe': t.recipe,
+                'search': ({'population': int(s['--population']), 'generations': int(s['--generations']),
+                            'k': int(s['--k'])} if 'guided_pm' in args.methods else None),
+                'holdout': _holdout(args)})
+    if requested:
+        out['requested'] = requested
+    return out
 
 
 def budget_text(b: Dict[str, Any]) -> str:
-    def images(n, split):
+    requested = b.get('requested') or {}
+
+    def images(key, split):
+        n = b.get(key)
+        if key in requested:
+            return f'all {n:,} {split} images (fewer than the {requested[key]:,} asked for)'
         return f'{n:,} {split} images (a fixed random subset)' if n else f'the whole {split} split'
     epochs = b['epochs'] if not isinstance(b['epochs'], list) else '/'.join(map(str, b['epochs']))
     held = b.get('holdout')
-    test = f'{images(b.get("test_images"), "test")}, ' if held else ''
-    text = (f'Budget `{b["budget"]}`: {images(b["train_images"], "training")}, '
-            f'{images(b["val_images"], "held-out validation" if held else "validation")}, {test}{epochs} '
+    test = f'{images("test_images", "test")}, ' if held else ''
+    text = (f'Budget `{b["budget"]}`: {images("train_images", "training")}, '
+            f'{images("val_images", "held-out validation" if held else "validation")}, {test}{epochs} '
             f'epoch{"" if epochs == 1 else "s"} (recipe `{b["recipe"]}`)')
     if b['search']:
         text += (f'; search: population {b["search"]["population"]}, {b["search"]["generations"]} generations, '
@@ -499,8 +586,7 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
     else:
         lines += ['**This budget is too small to rank the methods**: ' + '; '.join(ranking['reasons']) + '.']
     lines += ['', 'Versions: ' + ', '.join(f'{k} {v}' for k, v in versions.items()) + '.', '',
-              'Files: `fitness.png` (search fitness per generation), `pairs.png` and `masks.json` (chosen pairs and '
-              'masks), `guided_samples.png` (guided mixed samples), per-run folders under `seed*/`.']
+              'Files: ' + ', '.join(files_text(args)) + '.']
     text = '\n'.join(lines) + '\n'
     atomic_write_text(os.path.join(args.output, 'report.md'), text)
     atomic_write_text(os.path.join(args.output, 'report.json'), json.dumps(
@@ -512,18 +598,73 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
     return text
 
 
+# train.py flags that the pipeline sets itself for its runs (:func:`_train_argv`, :func:`method_flags`), by their
+# argparse dest: the pipeline flag to give instead ('' where the pipeline alone decides) and what it sets. In
+# --train-args they would come last and override the pipeline's value (argparse keeps the last one), so that the
+# runs, settings.json and the report disagree; --train-args refuses them. The budget's flags (--epochs,
+# --train-subset, -b...) stay open to --train-args, and so do --no-progress and --log-interval (console output only).
+OWNED_TRAIN_FLAGS: Dict[str, Tuple[str, str]] = {
+    'dataset': ('--dataset', 'the dataset of every run'),
+    'data_dir': ('--data-dir', 'where the dataset lives'),
+    'data': ('--data-dir', 'where the dataset lives'),
+    'seed': ('--seeds', 'each run\'s seed'),
+    'output': ('--output', 'where each phase writes'),
+    'experiment': ('', 'each phase\'s folder, seed<S>/<method> under --output'),
+    'resume': ('', 'the resume of an interrupted phase from its own state file'),
+    'model': ('--model', 'the backbone of every method'),
+    'holdout': ('--holdout', 'the held-out images, which its training runs, search and report share'),
+    'holdout_seed': ('--holdout-seed', 'the held-out images, which its training runs, search and report share'),
+    'mixup': ('--methods', 'the Mixup of the mixup method alone'),
+    'cutmix': ('--methods', 'the CutMix of the cutmix method alone'),
+    'patchmix': ('--methods', 'PatchMix for the random_pm and guided_pm methods alone'),
+    'patchmix_table': ('', 'the search\'s mask table for guided_pm'),
+    'no_patch_loss': ('--final-loss', 'the losses of f_T and f_O'),
+}
+
+
+def _given_flags(parser: argparse.ArgumentParser, flags: List[str]) -> Dict[str, str]:
+    """``{dest: option string}`` of each option in ``flags`` as ``parser`` resolves it (abbreviations and
+    ``--flag=value`` included, as argparse reads them; a positional gets its metavar)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # only what the flags set ends up in the namespace
+    given = vars(parser.parse_args(flags))
+    names = {}
+    for action in parser._actions:
+        if action.dest in given:
+            names[action.dest] = max(action.option_strings, key=len) if action.option_strings else \
+                f'the positional {action.metavar or action.dest}'
+    return names
+
+
+REPORT_FILES = (('fitness.png', 'search fitness per generation'), ('pairs.png', 'chosen pairs and masks'),
+                ('masks.json', 'the searched mask table'), ('guided_samples.png', 'guided mixed samples'))
+
+
+def files_text(args) -> List[str]:
+    """The report's ``Files:`` entries: the search's figures and table that ``--output`` holds (when Guided PatchMix
+    ran), and the per-run folders."""
+    have = [f'`{f}` ({what})' for f, what in REPORT_FILES
+            if 'guided_pm' in args.methods and os.path.isfile(os.path.join(args.output, f))]
+    return have + ['per-run folders under `seed*/`']
+
+
 def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
     """Parse ``--train-args`` with train.py's own parser before any phase runs, so that an out-of-range value stops
-    the pipeline at once (exit status 2, the flag and value named) rather than after the phases before it. The
-    holdout is the pipeline's own flag, so that its training runs, search and report agree on it."""
+    the pipeline at once (exit status 2, the flag and value named) rather than after the phases before it. A flag
+    the pipeline sets itself (:data:`OWNED_TRAIN_FLAGS`) is refused, however it is spelt (an abbreviation such as
+    ``--holdout-s`` included), naming the pipeline's flag to give instead."""
     from .train import build_parser as train_parser
     tp = train_parser()
     tp.prog = f'{parser.prog} --train-args'
     tp.parse_args(list(args.train_args))
-    for flag in ('--holdout', '--holdout-seed'):
-        if any(a == flag or a.startswith(flag + '=') for a in args.train_args):
-            parser.error(f'{flag} in --train-args: give the pipeline\'s own {flag}, which its training runs, '
-                         f'search and report share')
+    given = _given_flags(train_parser(), list(args.train_args))
+    for dest, (flag, what) in OWNED_TRAIN_FLAGS.items():
+        if dest in given:
+            words = [a.split('=', 1)[0] for a in args.train_args if a.startswith('-')]
+            spelt = [w for w in words if w != given[dest] and len(w) > 2 and given[dest].startswith(w)]
+            name = given[dest] + (f' (given as {spelt[0]})' if spelt else '')
+            instead = f'give the pipeline\'s own {flag} instead' if flag else 'leave it out'
+            parser.error(f'{name} in --train-args: the pipeline sets it for its runs ({what}); {instead}')
 
 
 class PhaseFailedError(RuntimeError):
@@ -553,12 +694,8 @@ def _phase_folder(args, seed: int, name: str) -> str:
 def run_phase(args, seed: int, name: str, trainer: Optional[_Trainer] = None):
     """Run one phase unless it is done: a training phase's ``done.json`` record, or the search's table path. The
     guided phase draws its sample figure from the table first."""
-    head = f'patchhead_{args.model}'
-    if name in ('base', 'mixup', 'cutmix'):
-        flags = {'base': [], 'mixup': ['--mixup', '1.0'], 'cutmix': ['--cutmix', '1.0']}[name]
-        return _train(args, seed, name, ['--model', args.model] + flags, trainer=trainer)
-    if name == 'random_pm':
-        return _train(args, seed, 'random_pm', ['--model', head, '--patchmix'], trainer=trainer)
+    if name in ('base', 'mixup', 'cutmix', 'random_pm'):
+        return _train(args, seed, name, method_flags(args, name), trainer=trainer)
     table = _search_table(_phase_folder(args, seed, 'search'))
     if name == 'search':
         return _search(args, seed, _ft_checkpoint(_phase_folder(args, seed, 'random_pm')))
@@ -566,12 +703,18 @@ def run_phase(args, seed: int, name: str, trainer: Optional[_Trainer] = None):
         raise ValueError(f'no phase named {name!r}')
     guided = _guided_settings(args, table)  # checked before the samples are drawn from the table
     _check_phase(args, _phase_folder(args, seed, 'guided_pm'), _phase_settings(args, seed, guided))
+    from .table import MaskTable, MaskTableError
+    try:
+        search_args = MaskTable.load(table).search_args
+    except MaskTableError as e:
+        raise PhaseRecordError(f'{e}. It is the table of the finished search of seed {seed}, which Guided PatchMix '
+                               f'trains on; {_redo(os.path.dirname(table))}') from None
     samples = os.path.join(os.path.dirname(table), 'guided_samples.png')
     if not os.path.isfile(samples):
         render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)
-    with open(table, encoding='utf-8') as fh:  # which images the search scored, for the report
-        scored = {'search_scored_on': (json.load(fh).get('search_args') or {}).get('scored_on')}
-    return _train(args, seed, 'guided_pm', guided_flags(args, head, table), guided, trainer=trainer, extra=scored)
+    scored = {'search_scored_on': search_args.get('scored_on')}  # which images the search scored, for the report
+    return _train(args, seed, 'guided_pm', method_flags(args, 'guided_pm', table), guided, trainer=trainer,
+                  extra=scored)
 
 
 def _phase_log(args, seed: int, name: str) -> str:
@@ -680,6 +823,7 @@ def cli(argv=None) -> int:
     from .checkpoint import CheckpointError
     from .engine import ConfigError, NonFiniteLossError, TrainSetupError
     from .search import SearchError
+    from .table import MaskTableError
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
         main(argv)
@@ -687,9 +831,10 @@ def cli(argv=None) -> int:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
     # exit 1: a phase cannot start (a missing dataset...); another pipeline is writing to this --output; a training
-    # phase diverged (a rerun resumes from its last finished epoch); --jobs N: a phase failed (its error is in its log)
+    # phase diverged (a rerun resumes from its last finished epoch); --jobs N: a phase failed (its error is in its log);
+    # a finished phase's done.json or mask table cannot be read
     except (TrainSetupError, SearchError, CheckpointError, FolderBusyError, NonFiniteLossError,
-            PhaseFailedError) as e:
+            PhaseFailedError, PhaseRecordError, MaskTableError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     return 0

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
+from .cli_types import directory
 from .locking import FolderBusyError, hold_folder
 from .settings import USAGE_ERROR, SettingsChangedError, check_settings, read_settings, write_settings
 
@@ -198,12 +199,53 @@ def _folder(out: str, name: str) -> str:
     return os.path.join(out, *name.split('/'))
 
 
-def _done_record(out: str, name: str) -> Optional[Dict[str, Any]]:
+class TaskRecordError(RuntimeError):
+    """A finished task's ``done.json`` that cannot be read as its record (truncated, edited, another format), or a
+    file a finished task made that a later task reads and that is gone: the message names the file and the task
+    folder to delete so that a rerun runs that task again."""
+
+
+# what the report reads from each kind of task's record, besides its wall time
+RECORD_KEYS = {'train': ('final_top1', 'best_top1', 'rows'), 'search': ('best_fitness',),
+               'generalise': ('mean', 'genes'), 'export': ()}
+
+
+def _redo(out: str, name: str) -> str:
+    return f'delete {_folder(out, name)} (and the folders of the tasks made from it) to run task {name} again'
+
+
+def _done_record(out: str, name: str, kind: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """Task ``name``'s ``done.json`` record, None when it is not done. A record must be a JSON object, with the
+    wall time and the keys :data:`RECORD_KEYS` gives for ``kind``; else :class:`TaskRecordError`."""
     path = os.path.join(_folder(out, name), 'done.json')
     if not os.path.isfile(path):
         return None
-    with open(path, encoding='utf-8') as f:
-        return json.load(f)
+    try:
+        with open(path, encoding='utf-8') as f:
+            rec = json.load(f)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise TaskRecordError(f'{path} is not a task record (not valid JSON: {e}); {_redo(out, name)}') from None
+    except OSError as e:
+        raise TaskRecordError(f'{path} cannot be read ({e}); {_redo(out, name)}') from None
+    if not isinstance(rec, dict):
+        raise TaskRecordError(f'{path} is not a task record (a JSON {type(rec).__name__}, not an object); '
+                              f'{_redo(out, name)}')
+    missing = [k for k in ('wall_s',) + RECORD_KEYS.get(kind, ()) if kind is not None and k not in rec]
+    if missing:
+        raise TaskRecordError(f'{path} is not the record of a finished {kind} task (no {", ".join(missing)}); '
+                              f'{_redo(out, name)}')
+    return rec
+
+
+def _task_file(out: str, name: str, file: str) -> str:
+    """``file`` in the folder of finished task ``name``, as a later task reads it: found through the study's own
+    layout (``--output``/``name``), not the path its ``done.json`` recorded, so that a study run from another
+    directory or moved elsewhere reads its own tasks' files; :class:`TaskRecordError` when it is gone."""
+    path = os.path.join(_folder(out, name), file)
+    if not os.path.exists(path):
+        raise TaskRecordError(f'{path} is missing, though task {name} is marked done; restore it, or '
+                              f'{_redo(out, name)}')
+    return path
 
 
 def _mark(out: str, name: str, info: Dict[str, Any]) -> None:
@@ -212,7 +254,7 @@ def _mark(out: str, name: str, info: Dict[str, Any]) -> None:
 
 def run_task(out: str, task: Task) -> Dict[str, Any]:
     """Run ``task`` (its dependencies done) unless it is done; its ``done.json`` record."""
-    done = _done_record(out, task.name)
+    done = _done_record(out, task.name, task.kind)
     if done is not None:
         return done
     folder = _folder(out, task.name)
@@ -225,6 +267,30 @@ def run_task(out: str, task: Task) -> Dict[str, Any]:
     return info
 
 
+class TaskConfigError(RuntimeError):
+    """A task's train.py or search.py flags that their parser refuses (its message)."""
+
+
+def _parse(parse_config, flags: List[str], what: str):
+    """``parse_config(flags)``, with the usage error argparse would exit with (status 2) raised as
+    :class:`TaskConfigError` and its message, so that one task's refused flags fail that task alone."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cfg = parse_config(flags)
+    except SystemExit as e:
+        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+        why = lines[-1] if lines else f'exit status {e.code}'
+        raise TaskConfigError(f'{what} refused the task\'s flags: {why}') from None
+    except BaseException:
+        sys.stderr.write(err.getvalue())
+        raise
+    sys.stderr.write(err.getvalue())
+    return cfg
+
+
 def _run_train(out: str, task: Task, folder: str) -> Dict[str, Any]:
     from .engine import train
     from .pipeline import run_record
@@ -233,13 +299,13 @@ def _run_train(out: str, task: Task, folder: str) -> Dict[str, Any]:
     flags = list(spec['flags']) + ['--output', os.path.dirname(folder), '--experiment', os.path.basename(folder),
                                    '--no-progress', '--log-interval', '1000000']
     if spec.get('table_from'):
-        flags += ['--patchmix-table', _done_record(out, spec['table_from'])['table']]
+        flags += ['--patchmix-table', _task_file(out, spec['table_from'], 'masks.json')]
     if spec.get('export_from'):
-        flags += ['--model', 'local-dir:' + _done_record(out, spec['export_from'])['folder']]
+        flags += ['--model', 'local-dir:' + _task_file(out, spec['export_from'], 'hub')]
     state = os.path.join(folder, 'state.safetensors')
     if os.path.isfile(state):
         flags += ['--resume', state]
-    res = train(parse_config(flags), log_data_config=False)
+    res = train(_parse(parse_config, flags, 'train.py'), log_data_config=False)
     info = run_record(spec['method'], spec['seed'], folder, res)
     info['rows'] = [{k: r.get(k) for k in ('epoch', 'train_loss', 'eval_loss', 'eval_top1')} for r in res.rows]
     if res.fgsm is not None:
@@ -249,12 +315,12 @@ def _run_train(out: str, task: Task, folder: str) -> Dict[str, Any]:
 
 def _run_search(out: str, task: Task, folder: str) -> Dict[str, Any]:
     from .search import parse_config, search
-    ck = os.path.join(_done_record(out, task.deps[0])['output'], 'best.safetensors')
+    ck = _task_file(out, task.deps[0], 'best.safetensors')
     flags = ['--checkpoint', ck, '--output', folder, '--seed', str(task.spec['seed']), '--no-progress']
     flags += task.spec['flags']
     if os.path.isfile(os.path.join(folder, 'search_state.safetensors')):
         flags.append('--resume')
-    res = search(parse_config(flags))
+    res = search(_parse(parse_config, flags, 'search.py'))
     return {'table': os.path.join(folder, 'masks.json'), 'best_fitness': res.best_fitness,
             'pairs': len(res.table.pairs), 'checkpoint': ck}
 
@@ -265,7 +331,7 @@ def _run_export(out: str, task: Task, folder: str) -> Dict[str, Any]:
     import timm.models
     from .hub import export_folder
     from .hub.load import model_from_weights
-    ck = os.path.join(_done_record(out, task.spec['from'])['output'], 'best.safetensors')
+    ck = _task_file(out, task.spec['from'], 'best.safetensors')
     dest = os.path.join(folder, 'hub')
     model, meta = model_from_weights(ck)
     if meta['model'].startswith('patchhead_'):
@@ -291,8 +357,8 @@ def _run_export(out: str, task: Task, folder: str) -> Dict[str, Any]:
 def _run_generalise(out: str, task: Task, folder: str) -> Dict[str, Any]:
     from .search.generalise import table_generalisation
     spec = task.spec
-    table = _done_record(out, spec['search'])['table']
-    ck = os.path.join(_done_record(out, spec['checkpoint_from'])['output'], 'best.safetensors')
+    table = _task_file(out, spec['search'], 'masks.json')
+    ck = _task_file(out, spec['checkpoint_from'], 'best.safetensors')
     res = table_generalisation(ck, table, fresh_k=spec['fresh_k'], random_masks=spec['random_masks'],
                                seed=spec['seed'])
     atomic_write_text(os.path.join(folder, 'generalise.json'), json.dumps(res, indent=1))
@@ -320,7 +386,7 @@ def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, thre
     """Run ``names`` with at most ``jobs`` at once (in this process when 1; child processes get ``study_args``,
     the flags that chose the study's settings, see :func:`~timm_patchmix.children.run_children`); the names that
     failed (with those that depend on them)."""
-    pending = [n for n in names if _done_record(out, n) is None]
+    pending = [n for n in names if _done_record(out, n, tasks[n].kind) is None]
     if jobs > 1:
         from .children import child_command, run_children
         return run_children(
@@ -328,7 +394,7 @@ def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, thre
             command=lambda n: child_command('study', ['--output', out, '--run-task', n, '--threads', str(threads)]
                                             + list(study_args)),
             log_path=lambda n: os.path.join(_folder(out, n), 'log.txt'), label=lambda n: f'[study] {n}',
-            is_done=lambda n: _done_record(out, n) is not None, noun='task', log=log)
+            is_done=lambda n: _done_record(out, n, tasks[n].kind) is not None, noun='task', log=log)
     failed: List[str] = []
     while pending:
         blocked = [n for n in pending if any(d in failed for d in tasks[n].deps)]
@@ -336,7 +402,7 @@ def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, thre
             pending.remove(n)
             failed.append(n)
             log(f'[study] skipped {n}: a task it needs failed')
-        ready = [n for n in pending if all(_done_record(out, d) is not None for d in tasks[n].deps)]
+        ready = [n for n in pending if all(_done_record(out, d, tasks[d].kind) is not None for d in tasks[n].deps)]
         if not ready:
             break
         n = ready[0]
@@ -345,7 +411,7 @@ def schedule(out: str, tasks: Dict[str, Task], names: List[str], jobs: int, thre
         try:
             info = run_task(out, tasks[n])
             log(f'[study] done {n} ({info["wall_s"]:.0f} s)')
-        except Exception as e:  # noqa: BLE001 -- one task's failure must not stop the others
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- one task's failure must not stop the others
             failed.append(n)
             log(f'[study] FAILED {n}: {type(e).__name__}: {e}')
     return failed
@@ -370,7 +436,7 @@ def collect(out: str, tasks: Dict[str, Task]) -> Dict[str, Any]:
     runs: Dict[str, Dict[int, Dict[str, Any]]] = {}
     other: Dict[str, Dict[str, Any]] = {}
     for n, t in tasks.items():
-        rec = _done_record(out, n)
+        rec = _done_record(out, n, t.kind)
         if rec is None:
             continue
         if t.kind == 'train':
@@ -566,7 +632,8 @@ def figures(out: str, cfg: Dict[str, Any], runs, table) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='python -m timm_patchmix.study', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--output', default='output/study', help='folder of the study (default: output/study)')
+    p.add_argument('--output', default='output/study', type=directory,
+                   help='folder of the study (default: output/study)')
     p.add_argument('--quick', action='store_true', help='every task at tiny size on the embedded data (a check '
                    'that the study runs; its numbers are noise)')
     p.add_argument('--epochs', type=int, help=f'epochs of every Fashion-MNIST training (default: {FULL["epochs"]}); '
@@ -619,6 +686,9 @@ def main(argv=None, log=print) -> int:
         return 0
     record = os.path.join(args.output, STUDY_FILE)
     recorded = read_settings(record)
+    if args.report and recorded is None:  # --report reads a study; it writes its report, not its settings
+        parser.error(f'--report: {args.output} holds no study ({STUDY_FILE} is missing); give the --output of a '
+                     f'study')
     now = json.loads(json.dumps(_settings(cfg, args.quick)))
     if recorded is not None:
         check_settings(recorded, now, f'cannot reuse {args.output}: it was made',
@@ -628,15 +698,16 @@ def main(argv=None, log=print) -> int:
                                        f'choose another --output')
     if args.list:
         for n, t in tasks.items():
-            log(f'{"done" if _done_record(args.output, n) else "    "}  {n}  ({t.kind})')
+            log(f'{"done" if _done_record(args.output, n, t.kind) else "    "}  {n}  ({t.kind})')
         return 0
     if args.tasks and not _needed(tasks, args.tasks):
         raise SystemExit(f'no task matches {args.tasks}; see --list')
     failed = []
-    # one study runs its tasks in a folder at a time (a second one stops here); --report only reads the tasks
+    # one study runs its tasks in a folder at a time (a second one stops here); --report only reads the tasks (and
+    # writes the report), in the folder of a study that exists
     with hold_folder(args.output, 'study') if not args.report else nullcontext():
-        os.makedirs(args.output, exist_ok=True)
         if recorded is None:
+            os.makedirs(args.output, exist_ok=True)
             write_settings(record, now)
         if not args.report:
             import torch
@@ -662,7 +733,8 @@ def cli(argv=None) -> int:
     except SettingsChangedError as e:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
-    except FolderBusyError as e:
+    # another study writes there; a finished task's record is bad; a task's flags refused (a --run-task child)
+    except (FolderBusyError, TaskRecordError, TaskConfigError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
 
