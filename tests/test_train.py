@@ -65,7 +65,7 @@ def test_modes_train_and_write_outputs(tmp_path, flags, model, grid):
     if grid is None:  # a plain backbone records no PatchMix section
         assert meta['patchmix'] is None and meta['model_kwargs'] == {}
     else:
-        assert meta['patchmix'] == {'enabled': patchmix, 'grid': grid, 'table': None}
+        assert meta['patchmix'] == {'enabled': patchmix, 'grid': grid, 'table': None, 'image_loss': True}
         assert meta['model_kwargs'] == {'grid': grid}
 
     state = load_state(os.path.join(out, 'state.safetensors'))
@@ -247,6 +247,11 @@ def test_resume_refuses_a_state_of_another_shape_or_with_damaged_rows(tmp_path, 
     assert cli(TINY + ['--resume', state, '--in-chans', '1']) == 2
     err = capsys.readouterr().err
     assert '--in-chans: None before, 1 now' in err and 'Traceback' not in err, err
+    # another model or class count is a settings change too, named with the others (exit 2)
+    assert cli(TINY + ['--resume', state, '--model', 'patchhead_resnet20_cifar', '--patchmix']) == 2
+    err = capsys.readouterr().err
+    assert "--model: 'resnet32_cifar' before, 'patchhead_resnet20_cifar' now" in err, err
+    assert '--patchmix: False before, True now' in err and 'Traceback' not in err, err
     st = load_state(state)
     for name, change in (('no_fc', lambda m, meta: m.pop('fc.weight')),
                          ('rows', lambda m, meta: meta['rows'][0].pop('eval_top1'))):

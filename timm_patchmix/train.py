@@ -170,8 +170,22 @@ def _running_flags(g) -> None:
     g.add_argument('--no-progress', action='store_true', default=False)
 
 
+EPILOG = '''examples:
+  {prog} --patchmix                          # Random PatchMix on the embedded data (demo recipe)
+  {prog} --patchmix --patchmix-table output/search/masks.json   # Guided PatchMix with a searched table
+  {prog} --model resnet32_cifar --cutmix 1.0  # a baseline with timm's CutMix
+  {prog} --dataset fashion_mnist --holdout 0.1 --model patchhead_resnet32_cifar --patchmix
+  {prog} <the run's flags> --resume output/train/<run>/state.safetensors   # continue a killed run
+  torchrun --nproc_per_node 2 train.py --patchmix   # DDP'''
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description='timm-style training with PatchMix', add_help=True)
+    from .cli import HelpFormatter, prog_name
+    prog = prog_name('timm_patchmix.train')
+    p = argparse.ArgumentParser(prog=prog, description='timm-style training with PatchMix: timm\'s training flags, '
+                                '--patchmix and its options. A flag without a default shown takes the recipe\'s '
+                                'value\nor one resolved from the model (--recipe, docs/training.md).',
+                                formatter_class=HelpFormatter, epilog=EPILOG.format(prog=prog), add_help=True)
     _dataset_flags(p.add_argument_group('Dataset'))
     _model_flags(p.add_argument_group('Model'))
     _optimizer_flags(p.add_argument_group('Optimizer and schedule'))

@@ -19,7 +19,7 @@ __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'resume_settings', 'csv_text', 'weight
 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, and which parameters train (the schedule,
-# --epochs, --lr..., may change on a resume; --model and the class count are checked apart)
+# --epochs, --lr..., may change on a resume; --model and the class count come from the state's args)
 RESUME_SETTINGS = ('dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'model_kwargs', 'train_subset',
                    'holdout', 'holdout_seed', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
@@ -102,11 +102,14 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
     except CheckpointError as e:
         raise TrainSetupError(f'cannot resume: {e}') from None
     saved = st['meta'].get('args', {})
-    for key, have in (('model', cfg.model), ('num_classes', cfg.num_classes)):
-        if saved.get(key) is not None and saved.get(key) != have:
-            raise TrainSetupError(f'{cfg.resume} was trained with {key}={saved.get(key)!r}, this run has {have!r}')
     # a state from before settings were recorded: its args, without the table's content
-    check_settings(st['meta'].get('settings') or resume_settings(saved, table=False), settings,
+    recorded = st['meta'].get('settings') or resume_settings(saved, table=False)
+    if isinstance(recorded, dict):  # the model and class count, compared and named with the other settings
+        recorded, settings = dict(recorded), dict(settings)
+        for key, flag, have in (('model', '--model', cfg.model), ('num_classes', '--num-classes', cfg.num_classes)):
+            if saved.get(key) is not None:
+                recorded[flag], settings[flag] = saved[key], have
+    check_settings(recorded, settings,
                    f'cannot resume from {cfg.resume}: it was trained',
                    'Resume with the settings it was trained with, or train the new settings afresh (without '
                    '--resume) under another --output/--experiment.')
