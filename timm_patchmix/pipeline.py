@@ -34,7 +34,8 @@ from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
 from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
 from .locking import FolderBusyError, hold_folder
-from .settings import USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_settings, write_settings
+from .settings import (USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_record, read_settings,
+                       write_settings)
 from .viz import render_guided_samples
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
@@ -279,19 +280,7 @@ def _read_done(folder: str, need: Tuple[str, ...] = ()) -> Dict[str, Any]:
     """The ``done.json`` record of the finished phase in ``folder``: a JSON object with the keys ``need`` (number
     keys hold numbers), else :class:`PhaseRecordError`."""
     path = os.path.join(folder, 'done.json')
-    try:
-        with open(path, encoding='utf-8') as fh:
-            rec = json.load(fh)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise PhaseRecordError(f'{path} is not a phase record (not valid JSON: {e}); {_redo(folder)}') from None
-    except OSError as e:
-        raise PhaseRecordError(f'{path} cannot be read ({e}); {_redo(folder)}') from None
-    if not isinstance(rec, dict):
-        raise PhaseRecordError(f'{path} is not a phase record (a JSON {type(rec).__name__}, not an object); '
-                               f'{_redo(folder)}')
-    missing = [k for k in need if k not in rec]
-    if missing:
-        raise PhaseRecordError(f'{path} is not a phase record (no {", ".join(missing)}); {_redo(folder)}')
+    rec = read_record(path, 'phase record', _redo(folder), PhaseRecordError, need)
     for k in need:
         if k.endswith('_top1') and (isinstance(rec[k], bool) or not isinstance(rec[k], (int, float))):
             raise PhaseRecordError(f'{path} is not a phase record ({k} is {rec[k]!r}, not a number); '

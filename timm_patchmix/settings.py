@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .checkpoint import atomic_write_text
 
-__all__ = ['SettingsChangedError', 'file_record', 'differences', 'check_settings', 'read_settings',
+__all__ = ['SettingsChangedError', 'file_record', 'differences', 'check_settings', 'read_settings', 'read_record',
            'write_settings', 'USAGE_ERROR']
 
 USAGE_ERROR = 2  # exit status of a refused resume or rerun, as for other usage errors
@@ -95,6 +95,24 @@ def read_settings(path: str) -> Optional[Dict[str, Any]]:
     if not isinstance(doc, dict):
         raise SettingsChangedError(f'{path} is not a settings record; delete its folder to start it again')
     return doc
+
+
+def read_record(path: str, noun: str, remedy: str, error: type, need: Sequence[str] = ()) -> Dict[str, Any]:
+    """The JSON object at ``path`` (a finished phase's or task's ``done.json``) holding the keys ``need``; else
+    ``error`` with a message naming the file, what it is not (``noun``), why, and ``remedy``."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            rec = json.load(f)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise error(f'{path} is not a {noun} (not valid JSON: {e}); {remedy}') from None
+    except OSError as e:
+        raise error(f'{path} cannot be read ({e}); {remedy}') from None
+    if not isinstance(rec, dict):
+        raise error(f'{path} is not a {noun} (a JSON {type(rec).__name__}, not an object); {remedy}')
+    missing = [k for k in need if k not in rec]
+    if missing:
+        raise error(f'{path} is not a {noun} (no {", ".join(missing)}); {remedy}')
+    return rec
 
 
 def write_settings(path: str, settings: Dict[str, Any]) -> None:

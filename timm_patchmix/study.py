@@ -45,7 +45,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
 from .cli_types import directory
 from .locking import FolderBusyError, hold_folder
-from .settings import USAGE_ERROR, SettingsChangedError, check_settings, read_settings, write_settings
+from .settings import (USAGE_ERROR, SettingsChangedError, check_settings, read_record, read_settings,
+                       write_settings)
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
 
@@ -220,21 +221,9 @@ def _done_record(out: str, name: str, kind: Optional[str] = None) -> Optional[Di
     path = os.path.join(_folder(out, name), 'done.json')
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path, encoding='utf-8') as f:
-            rec = json.load(f)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise TaskRecordError(f'{path} is not a task record (not valid JSON: {e}); {_redo(out, name)}') from None
-    except OSError as e:
-        raise TaskRecordError(f'{path} cannot be read ({e}); {_redo(out, name)}') from None
-    if not isinstance(rec, dict):
-        raise TaskRecordError(f'{path} is not a task record (a JSON {type(rec).__name__}, not an object); '
-                              f'{_redo(out, name)}')
-    missing = [k for k in ('wall_s',) + RECORD_KEYS.get(kind, ()) if kind is not None and k not in rec]
-    if missing:
-        raise TaskRecordError(f'{path} is not the record of a finished {kind} task (no {", ".join(missing)}); '
-                              f'{_redo(out, name)}')
-    return rec
+    need = ('wall_s',) + RECORD_KEYS.get(kind, ()) if kind is not None else ()
+    return read_record(path, f'record of a finished {kind} task' if kind else 'task record', _redo(out, name),
+                       TaskRecordError, need)
 
 
 def _task_file(out: str, name: str, file: str) -> str:
