@@ -312,6 +312,21 @@ def test_robustness_command_evaluates_a_patch_loss_only_model_as_train_does(tmp_
     assert 'evaluating its patch head' in capsys.readouterr().out
     with open(out / 'fgsm.json') as f:
         assert json.load(f) == trained
+    # exported, its card says to predict with the patch head, and that call on the loaded model is the trainer's
+    import timm
+    from timm_patchmix import hub
+    from timm_patchmix.engine.loop import PatchVote
+    from timm_patchmix.hub.card import model_card
+    folder = hub.export_folder(os.path.join(res['output'], 'last.safetensors'), str(tmp_path / 'hub'))
+    card = open(os.path.join(folder, 'README.md')).read()
+    assert '**Trained without the image loss**' in card and 'model.forward_patches(x).mean(1)' in card
+    loaded = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    own, _ = hub.model_from_weights(os.path.join(res['output'], 'last.safetensors'))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded.forward_patches(x).mean(1), PatchVote(own).eval()(x))
+    with_image = dict(meta, patchmix=dict(meta['patchmix'], image_loss=True))
+    assert 'without the image loss' not in model_card('u/r', meta['model'], with_image, None, None)
 
 
 def test_num_classes_error_names_the_image_folder(tmp_path):
