@@ -162,3 +162,17 @@ def test_pixels_of_fgsm_and_search_are_validation_pixels_before_normalisation(in
     assert pixels.shape == input_size and 0 <= pixels.min() and pixels.max() <= 1
     normalised = (pixels - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)
     assert torch.allclose(normalised, val, rtol=0, atol=1e-6), (normalised - val).abs().max()
+
+
+def test_a_checkpoint_without_a_resize_record_takes_the_models_data_config():
+    """FGSM and the search make their pixels from one helper: what the checkpoint records, else the model's config."""
+    import timm
+    from timm_patchmix.data import recorded_data_config
+    model = timm.create_model('patchhead_resnet18', num_classes=3, pretrained_cfg_overlay=dict(
+        interpolation='bicubic', crop_pct=0.8, input_size=(3, 40, 40), mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2)))
+    old = recorded_data_config({'dataset': 'x'}, model)
+    assert (old['dataset'], tuple(old['input_size']), old['interpolation'], old['crop_pct']) == (
+        'x', (3, 40, 40), 'bicubic', 0.8)
+    assert tuple(old['mean']) == (0.5, 0.5, 0.5) and tuple(old['std']) == (0.2, 0.2, 0.2)
+    rec = {'input_size': [1, 28, 28], 'mean': [0.3], 'std': [0.4], 'interpolation': 'bilinear', 'crop_pct': 1.0}
+    assert recorded_data_config(rec, model) == rec

@@ -472,6 +472,15 @@ def image_transform(input_size, is_training: bool, use_prefetcher: bool, mean, s
                                        mean=mean, std=std, interpolation=interpolation, **extra)])
 
 
+def recorded_data_config(data: dict, model: torch.nn.Module) -> dict:
+    """A checkpoint's ``data`` record with its ``input_size``, ``mean``, ``std``, ``interpolation`` and ``crop_pct``
+    completed from ``model``'s data config, as ``train.py`` took them, for checkpoints written before all of these
+    were recorded. Evaluation outside ``train.py`` (FGSM, the search) makes its pixels with these."""
+    from timm.data import resolve_data_config
+    cfg = resolve_data_config({}, model=model)
+    return dict(data, **{k: data.get(k) or cfg[k] for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')})
+
+
 def pixel_transform(in_chans: int, height: int, width: int, interpolation: str = 'bilinear',
                     crop_pct: Optional[float] = None):
     """PIL image -> float tensor ``[in_chans, height, width]`` in [0, 1]: the evaluation transform of

@@ -101,9 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from timm.data import resolve_data_config
-
-    from .data import build_dataset, pixel_transform
+    from .data import build_dataset, pixel_transform, recorded_data_config
     from .hub import model_from_weights
 
     from .checkpoint import CheckpointError
@@ -126,18 +124,15 @@ def main(argv=None) -> int:
     except (CheckpointError, FileNotFoundError, ValueError) as e:  # a file or dataset it cannot use: exit 1
         print(f'error: {e}', file=sys.stderr)
         return 1
-    cfg = resolve_data_config({}, model=model)
+    data = recorded_data_config(data, model)
     if (meta.get('patchmix') or {}).get('image_loss') is False:  # trained without the image loss: as train.py
         from .engine.loop import PatchVote  # evaluates it, by its patch head (its image classifier never trained)
         model = PatchVote(model).eval()
         print(f'{args.checkpoint} was trained without the image loss: evaluating its patch head (the mean of its '
               f'cell logits), as train.py does')
-    ds.transform = pixel_transform(*data.get('input_size', cfg['input_size']),  # as validation made them
-                                   data.get('interpolation', cfg['interpolation']),
-                                   data.get('crop_pct', cfg['crop_pct']))
+    ds.transform = pixel_transform(*data['input_size'], data['interpolation'], data['crop_pct'])  # as validation
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
-    res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data.get('mean', cfg['mean']),
-                        data.get('std', cfg['std']), device)
+    res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data['mean'], data['std'], device)
     report(res, args.output)
     return 0
 

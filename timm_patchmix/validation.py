@@ -153,6 +153,10 @@ def check_model_kwargs(value: Any, f: Fields, field: str = 'model_kwargs') -> Di
 
 
 # --- checkpoint metadata ----------------------------------------------------------------------------------------
+# the resize modes of timm's evaluation transform (``timm.data.create_transform``)
+INTERPOLATIONS = ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos')
+
+
 def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
     """The metadata ``train.py`` (and ``hub backbone``) write beside weights: every field present is checked."""
     if meta.get('model') is not None:
@@ -185,9 +189,11 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
     if data.get('std') and any(v <= 0 for v in data['std']):
         f.fail('data.std', 'positive numbers', data['std'])
     if data.get('crop_pct') is not None:
-        f.number(data['crop_pct'], 'data.crop_pct', lo=0.0)
-    if data.get('interpolation') is not None:
-        f.str(data['interpolation'], 'data.interpolation', nonempty=True)
+        f.number(data['crop_pct'], 'data.crop_pct', lo=0.0, finite=True)
+        if data['crop_pct'] == 0:
+            f.fail('data.crop_pct', 'a number > 0', data['crop_pct'])
+    if data.get('interpolation') is not None and data['interpolation'] not in INTERPOLATIONS:
+        f.fail('data.interpolation', 'one of ' + ', '.join(INTERPOLATIONS), data['interpolation'])
     pm = meta.get('patchmix') or {}
     if pm.get('enabled') is not None:
         f.bool(pm['enabled'], 'patchmix.enabled')

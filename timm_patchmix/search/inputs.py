@@ -103,8 +103,7 @@ class ValidationData:
         mean = torch.tensor(adapt_to_chs(self.data_meta['mean'], c))
         std = torch.tensor(adapt_to_chs(self.data_meta['std'], c))
         self.ds.transform = pixel_transform(*self.data_meta['input_size'],  # as validation made them
-                                            self.data_meta.get('interpolation', 'bilinear'),
-                                            self.data_meta.get('crop_pct'))
+                                            self.data_meta['interpolation'], self.data_meta['crop_pct'])
         x = torch.stack([self.ds[i][0] for i in range(len(self.ds))])
         x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
         return x.to(device)
@@ -154,7 +153,7 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     """The images of ``cfg``'s split (see :func:`_scored_split`), checked against the model's classes; ``--val-subset``
     keeps a fixed random subset of them (of the held-out images by the rule ``train.py --val-subset`` uses, so
     the same value scores the images f_T's epochs were evaluated on)."""
-    from ..data import DatasetError, build_dataset, dataset_num_classes, make_view, open_dataset
+    from ..data import DatasetError, build_dataset, dataset_num_classes, make_view, open_dataset, recorded_data_config
     from ..holdout import Holdout, HoldoutError
     data = meta.get('data', {})
     dataset = cfg.dataset if cfg.dataset is not None else data.get('dataset', '')
@@ -188,11 +187,7 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     names = list(ds.classes) or [str(i) for i in range(num_classes)]
     labels = np.array([ds.base.targets[i] for i in ds.indices]) if hasattr(ds.base, 'targets') else \
         np.array([ds[i][1] for i in range(len(ds))])
-    if not (data.get('interpolation') and data.get('crop_pct')):  # a checkpoint from before they were recorded:
-        from timm.data import resolve_data_config                    # the model's data config, as train.py took it
-        dc = resolve_data_config({}, model=model)
-        data = dict(data, interpolation=data.get('interpolation') or dc['interpolation'],
-                    crop_pct=data.get('crop_pct') or dc['crop_pct'])
+    data = recorded_data_config(data, model)  # how validation made f_T's pixels
     return ValidationData(dataset, data_dir, split, names, labels, ds, data, holdout)
 
 
