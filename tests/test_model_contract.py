@@ -346,6 +346,14 @@ def test_prefixed_regex_keeps_meaning(pattern):
 
 
 @pytest.mark.parametrize('arch, kwargs, size, grid, per_position', FAMILIES, ids=IDS)
+def test_optional_methods_exist_exactly_where_the_backbone_has_them(arch, kwargs, size, grid, per_position):
+    """``hasattr(model, name)`` answers as for the plain model, so code that asks before it calls works alike."""
+    plain, model = build(arch, kwargs, grid, per_position)
+    for name in ('set_input_size', 'forward_intermediates', 'prune_intermediate_layers'):
+        assert hasattr(model, name) == hasattr(plain, name), name
+
+
+@pytest.mark.parametrize('arch, kwargs, size, grid, per_position', FAMILIES, ids=IDS)
 def test_set_input_size(arch, kwargs, size, grid, per_position):
     plain, model = build(arch, kwargs, grid, per_position)
     new = 2 * size

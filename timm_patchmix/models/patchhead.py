@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx
@@ -249,7 +249,8 @@ class PatchHeadModel(nn.Module):
     """
     # computed in Python from the backbone, not part of the scripted forward
     __jit_unused_properties__ = ['default_cfg', 'num_classes', 'num_features', 'head_hidden_size', 'feature_info',
-                                 'in_chans', '_traits']
+                                 'in_chans', '_traits', 'set_input_size', 'forward_intermediates',
+                                 'prune_intermediate_layers']
 
     def __init__(self, backbone: nn.Module, grid: GridSpec = 4, per_position: bool = False):
         super().__init__()
@@ -356,26 +357,37 @@ class PatchHeadModel(nn.Module):
         inner = self.backbone.no_weight_decay() if hasattr(self.backbone, 'no_weight_decay') else set()
         return {f'backbone.{n}' for n in inner}
 
-    @torch.jit.ignore
-    def set_input_size(self, *args, **kwargs) -> None:
+    # The three below exist exactly where the backbone has them: each is a property whose lookup of the backbone's
+    # method raises AttributeError where it has none, so ``hasattr(model, 'set_input_size')`` answers as for the
+    # plain model.
+    @property
+    def set_input_size(self) -> Callable[..., None]:
         """The backbone's ``set_input_size``; the patch head follows the new token grid."""
-        self.backbone.set_input_size(*args, **kwargs)
-        self._sync_layout()
+        inner = self.backbone.set_input_size
 
-    @torch.jit.ignore
-    def forward_intermediates(self, x: torch.Tensor, *args, **kwargs):
+        def set_input_size(*args, **kwargs) -> None:
+            inner(*args, **kwargs)
+            self._sync_layout()
+        return set_input_size
+
+    @property
+    def forward_intermediates(self) -> Callable[..., Any]:
         """The backbone's ``forward_intermediates``, unchanged."""
-        return self.backbone.forward_intermediates(x, *args, **kwargs)
+        return self.backbone.forward_intermediates
 
-    @torch.jit.ignore
-    def prune_intermediate_layers(self, *args, **kwargs):
+    @property
+    def prune_intermediate_layers(self) -> Callable[..., Any]:
         """The backbone's ``prune_intermediate_layers``; when it drops the backbone's classifier, the patch head
         drops its own too (``num_classes == 0`` for both)."""
-        taken = self.backbone.prune_intermediate_layers(*args, **kwargs)
-        if self.backbone.num_classes == 0 and self.patch_head.num_classes != 0:
-            self.patch_head.reset(0)
-        self._sync_layout()
-        return taken
+        inner = self.backbone.prune_intermediate_layers
+
+        def prune_intermediate_layers(*args, **kwargs):
+            taken = inner(*args, **kwargs)
+            if self.backbone.num_classes == 0 and self.patch_head.num_classes != 0:
+                self.patch_head.reset(0)
+            self._sync_layout()
+            return taken
+        return prune_intermediate_layers
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.jit.is_scripting():
