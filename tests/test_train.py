@@ -133,6 +133,40 @@ def test_two_process_ddp_gloo(tmp_path):
     for r in rows:
         assert float(r['eval_top1']) * 40 / 100 == pytest.approx(round(float(r['eval_top1']) * 40 / 100))
     assert proc.stdout.count('epoch 0:') == 1, 'only rank 0 reports'
+    # --dist-bn reduce (the default): both ranks validated the BatchNorm stats rank 0 saved, so the saved weights,
+    # evaluated in one process, give the reported numbers
+    ev = _evaluate_alone(os.path.join(tmp_path, 'ddp', 'last.safetensors'), TINY + ['--patchmix', '--device', 'cpu'])
+    assert round(ev['eval_top1'], 4) == float(rows[-1]['eval_top1'])
+    assert ev['eval_loss'] == pytest.approx(float(rows[-1]['eval_loss']), abs=2e-6)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_stops_every_rank_on_a_busy_folder(tmp_path):
+    """Another run holds the folder: both ranks stop with the one message, before any training step."""
+    from timm_patchmix.locking import hold_folder
+    torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
+    cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix', '--device', 'cpu',
+           '--output', str(tmp_path), '--experiment', 'busy']
+    with hold_folder(str(tmp_path / 'busy'), 'test'):
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'),
+                              capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert proc.stderr.count('is in use') == 2, proc.stderr[-3000:]  # rank 0's error, and rank 1's from rank 0
+    assert 'Connection closed by peer' not in proc.stderr and 'epoch 0' not in proc.stdout
+    assert os.listdir(tmp_path / 'busy') == []  # nothing written
+
+
+def _evaluate_alone(weights, flags):
+    """The validation metrics of ``weights`` in this process, on the loaders ``train.py flags`` builds."""
+    from contextlib import nullcontext
+    from timm_patchmix.checkpoint import load_weights
+    from timm_patchmix.engine.loop import validate
+    from timm_patchmix.engine.run import _setup
+    from timm_patchmix.engine.runtime import Runtime
+    from timm_patchmix.train import parse_config
+    cfg, _, model, _, loaders, _ = _setup(parse_config(flags), Runtime(torch.device('cpu')), False)
+    model.load_state_dict(load_weights(weights)[0])
+    return validate(model, loaders.val, cfg, torch.device('cpu'), nullcontext)
 
 
 def test_fgsm_after_training_and_standalone(tmp_path):
@@ -340,3 +374,11 @@ def test_num_classes_error_names_the_image_folder(tmp_path):
                                          f'{tmp_path / "folder"}'):
         main(['--data-dir', str(tmp_path / 'folder'), '--num-classes', '10', '--epochs', '1', '-b', '2', '-j', '0',
               '--output', str(tmp_path / 'out')])
+
+
+def test_amp_off_cuda_records_the_dtype_it_autocast_in(tmp_path, capsys):
+    """--amp on the CPU autocasts in bfloat16 (see amp_setup); the run's records say so, not the flag's float16."""
+    res = run(tmp_path, '--amp', '--epochs', '1')
+    assert 'autocast in bfloat16' in capsys.readouterr().out
+    args = yaml.safe_load(open(os.path.join(res['output'], 'args.yaml')))
+    assert args['amp'] is True and args['amp_dtype'] == 'bfloat16'

@@ -153,6 +153,9 @@ def _running_flags(g) -> None:
     g.add_argument('--amp', action='store_true', default=False)
     g.add_argument('--amp-dtype', default='float16', choices=('float16', 'bfloat16'))
     g.add_argument('--channels-last', action='store_true', default=False)
+    g.add_argument('--dist-bn', default='reduce', choices=('', 'broadcast', 'reduce'),
+                   help='with several processes, before each validation: average the BatchNorm running stats over '
+                        'the processes (reduce), take rank 0\'s (broadcast), or leave each its own (\'\')')
     g.add_argument('-j', '--workers', type=nonneg_int, default=None, help='0: load in the main process')
     g.add_argument('--pin-mem', action='store_true', default=False)
     g.add_argument('--no-prefetcher', action='store_true', default=False)

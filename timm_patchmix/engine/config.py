@@ -37,7 +37,8 @@ DEFAULT_GRID = (4, 4)
 CHOICES: Dict[str, Tuple[Any, ...]] = {
     'clip_mode': CLIP_MODES, 'sched': SCHEDULERS, 'recipe': tuple(RECIPES), 'lr_base_scale': ('', 'linear', 'sqrt'),
     'mixup_mode': ('batch', 'pair', 'elem', 'half'), 'patchmix_mode': ('elem', 'pair', 'batch'),
-    'amp_dtype': ('float16', 'bfloat16'), 'eval_metric': ('top1', 'top5', 'loss')}
+    'amp_dtype': ('float16', 'bfloat16'), 'eval_metric': ('top1', 'top5', 'loss'),
+    'dist_bn': ('', 'broadcast', 'reduce')}
 
 
 def _flag(name: str) -> str:
@@ -163,6 +164,7 @@ class TrainConfig:
     amp: bool = False
     amp_dtype: str = 'float16'
     channels_last: bool = False
+    dist_bn: str = 'reduce'  # DDP: BatchNorm running stats made equal on every rank before each validation
     workers: Optional[int] = None
     pin_mem: bool = False
     no_prefetcher: bool = False

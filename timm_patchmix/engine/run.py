@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -106,6 +106,9 @@ def _setup(cfg: TrainConfig, rt: Runtime, log_data_config: bool):
         model.to(memory_format=torch.channels_last)
     data_config = resolve_data(cfg, model, verbose=log_data_config and rt.primary)
     cfg = resolve(cfg, model=model, num_classes=data.num_classes, data_config=data_config, world_size=rt.world_size)
+    if cfg.amp and cfg.amp_dtype != 'bfloat16' and rt.device.type != 'cuda':  # what amp_setup autocasts in
+        _say(rt, f'--amp on {rt.device.type}: autocast in bfloat16 (float16 autocast and loss scaling are for CUDA)')
+        cfg = dataclasses.replace(cfg, amp_dtype='bfloat16')
     check_model_fits(cfg, model, rt.device)
     frozen = freeze_for_linear_probe(cfg, model) if cfg.linear_probe else ()
     return cfg, data, model, model_kwargs, build_loaders(cfg, data, rt), frozen
@@ -182,10 +185,9 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     autocast, scaler = amp_setup(cfg, rt.device)
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
                       autocast, scaler, start.updates, frozen)
-    out_dir = _out_dir(cfg)
     args_pending = False
-    # one process writes a run folder at a time: a second run on it stops here, before it writes anything
-    with hold_folder(out_dir, 'training run', TrainSetupError) if rt.primary else nullcontext():
+    # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
+    with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
         if rt.primary:
             args_pending = write_start(out_dir, cfg, start.rows, resuming=start.model_state is not None)
             n_params = sum(p.numel() for p in model.parameters())
@@ -216,6 +218,30 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
                      f"{test['final']['test_top1']:.2f}, best epoch ({test['best']['epoch']}) top1 "
                      f"{test['best']['test_top1']:.2f}")
         return _result(cfg, out_dir, rows, best, fgsm, test, splits)
+
+
+@contextmanager
+def _hold_run_folder(out_dir: str, rt: Runtime) -> Iterator[str]:
+    """Rank 0 holds the run folder for the block (see :func:`~timm_patchmix.locking.hold_folder`); under DDP every
+    rank learns rank 0's folder (a dated name can differ between ranks by a second) and whether it got it, so that
+    every rank stops with the same error when another run holds it. Yields the folder."""
+    with ExitStack() as stack:
+        busy = None
+        if rt.primary:
+            try:
+                stack.enter_context(hold_folder(out_dir, 'training run', TrainSetupError))
+            except TrainSetupError as e:
+                busy = e
+        if rt.distributed:
+            import torch.distributed as dist
+            shared = [out_dir, None if busy is None else str(busy)]
+            dist.broadcast_object_list(shared, src=0, device=rt.device if rt.device.type == 'cuda' else None)
+            out_dir, message = shared
+            if busy is None and message is not None:
+                raise TrainSetupError(message)
+        if busy is not None:
+            raise busy
+        yield out_dir
 
 
 def _test_row(epoch: Optional[int], ev: Dict[str, float]) -> Dict[str, Any]:
@@ -266,6 +292,9 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
         if loaders.mixing is not None and (cfg.patchmix or not cfg.patch_head) and off and epoch >= off:
             loaders.mixing.mixup_enabled = False
         tr = train_one_epoch(stepper, loaders.train, epoch, rt, on_step)
+        if rt.distributed and cfg.dist_bn:  # every rank validates, and rank 0 saves, the same BatchNorm stats
+            from timm.utils import distribute_bn
+            distribute_bn(model, rt.world_size, reduce=cfg.dist_bn == 'reduce')
         ev = validate(model, loaders.val, cfg, rt.device, stepper.autocast)
         lr = stepper.optimizer.param_groups[0]['lr']
         stepper.scheduler.step(epoch + 1, ev[metric_key])
