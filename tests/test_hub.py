@@ -425,3 +425,180 @@ def test_a_checkpoint_whose_shapes_do_not_fit_its_metadata_is_a_checkpoint_error
     with pytest.raises(CheckpointError, match=r'(?s)bad.safetensors does not fit patchhead_resnet32_cifar as its '
                                               r'metadata describes it: .*size mismatch for backbone.conv1.weight'):
         hub.model_from_weights(bad)
+
+
+# --- class counts, strict fine-tuning loads, tensor kinds, backbone overlays, config.json fields ------------------
+def small_folder(tmp_path, arch='patchhead_resnet8_cifar', num_classes=7, name='repo'):
+    """A correct export of an untrained ``arch`` with ``num_classes`` classes: (model, checkpoint, folder)."""
+    from timm_patchmix.checkpoint import save_weights
+    torch.manual_seed(0)
+    model = timm.create_model(arch, num_classes=num_classes).eval()
+    os.makedirs(tmp_path / f'{name}-run', exist_ok=True)
+    ckpt = str(tmp_path / f'{name}-run' / 'best.safetensors')
+    save_weights(ckpt, model.state_dict(), {'model': arch, 'num_classes': num_classes,
+                                            'model_kwargs': {'grid': [4, 4]}})
+    return model, ckpt, hub.export_folder(ckpt, str(tmp_path / name))
+
+
+def same_state(got, ref):
+    return got.keys() == ref.keys() and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in ref.items())
+
+
+@pytest.mark.parametrize('arch,num_classes', [('patchhead_resnet8_cifar', 7), ('patchhead_resnet18', 10)])
+def test_a_folder_whose_class_count_is_not_the_architectures_default_loads_its_trained_heads(tmp_path, arch,
+                                                                                             num_classes):
+    """The config.json's num_classes with the exported heads, bit for bit, through every loader (as plain timm does
+    for its own local-dir folders); an explicit other num_classes is the fine-tune path: trunk loaded, heads fresh."""
+    ref, _, folder = small_folder(tmp_path, arch, num_classes)
+    src = f'local-dir:{folder}'
+    for model in (timm.create_model(src, pretrained=True), hub.load_model(src)):
+        assert model.num_classes == num_classes and model.patch_head.fc.out_features == num_classes
+        assert same_state(model.state_dict(), ref.state_dict())
+    plain = hub.load_backbone(src)
+    assert plain.num_classes == num_classes and same_state(plain.state_dict(), ref.backbone.state_dict())
+    path = hub.export_backbone(src, str(tmp_path / 'plain.safetensors'))
+    state, meta = load_weights(path)
+    assert meta['num_classes'] == num_classes and same_state(state, ref.backbone.state_dict())
+    feats = timm.create_model(src, pretrained=True, features_only=True).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(feats(x)[-1], ref.forward_features(x))
+    heads = ('backbone.fc.', 'patch_head.fc.')
+    trunk = {k: v for k, v in ref.state_dict().items() if not k.startswith(heads)}
+    tuned = timm.create_model(src, pretrained=True, num_classes=3)
+    got = tuned.state_dict()
+    assert tuned.num_classes == 3 and got['backbone.fc.weight'].shape[0] == got['patch_head.fc.weight'].shape[0] == 3
+    assert same_state({k: v for k, v in got.items() if not k.startswith(heads)}, trunk)
+
+
+def test_fine_tuning_refuses_a_weights_file_that_is_not_the_models(tmp_path):
+    """On the new-num_classes path only the two classifier heads may be absent: a file missing any other tensor,
+    or holding tensors the model lacks, is a CheckpointError naming the file and the keys."""
+    ref, _, folder = small_folder(tmp_path)
+    weights = os.path.join(folder, 'model.safetensors')
+    good = load_file(weights)
+    from safetensors.torch import save_file
+    other = timm.create_model('patchhead_resnet20_cifar', num_classes=7).state_dict()
+    for label, state, needle in (
+            ('x only', {'x': torch.zeros(3)}, r"missing 54 tensors \['backbone.conv1.weight'.*unexpected 1 tensors "
+                                              r"\['x'\]"),
+            ('heads only', {k: v for k, v in good.items() if k.startswith(('backbone.fc.', 'patch_head.fc.'))},
+             r"missing 54 tensors \['backbone.conv1.weight'"),
+            ('another architecture', other, r"missing 0 tensors \[\], unexpected 72 tensors \['backbone.stages.0.1."),
+            ('one trunk tensor less', {k: v for k, v in good.items() if k != 'backbone.bn1.running_var'},
+             r"missing 1 tensors \['backbone.bn1.running_var'\], unexpected 0")):
+        save_file({k: v.contiguous() for k, v in state.items()}, weights)
+        for load in (lambda: timm.create_model(f'local-dir:{folder}', pretrained=True, num_classes=5),
+                     lambda: hub.load_model(f'local-dir:{folder}', num_classes=5)):
+            with pytest.raises(CheckpointError, match=rf'(?s){weights} does not fit patchhead_resnet8_cifar '
+                                                      rf'\(fine-tuning to 5 classes.*{needle}'):
+                load()
+    # the trunk alone is a valid fine-tuning source, and loads exactly; with the file's class count it is not
+    save_file({k: v for k, v in good.items() if not k.startswith(('backbone.fc.', 'patch_head.fc.'))}, weights)
+    tuned = timm.create_model(f'local-dir:{folder}', pretrained=True, num_classes=5)
+    trunk = {k: v for k, v in good.items() if not k.startswith(('backbone.fc.', 'patch_head.fc.'))}
+    assert all(torch.equal(tuned.state_dict()[k], v) for k, v in trunk.items())
+    with pytest.raises(CheckpointError, match=r"missing 4 tensors \['backbone.fc.weight'"):
+        timm.create_model(f'local-dir:{folder}', pretrained=True)
+
+
+def test_integer_or_boolean_tensors_are_not_cast_into_float_parameters(tmp_path):
+    """A weights file whose float parameter is stored as an integer or boolean tensor is refused, naming the file,
+    the tensor and its dtype, by every load path; float16 into float32 passes, integer buffers stay integer."""
+    from safetensors.torch import save_file
+    from timm_patchmix.engine.model import load_initial_checkpoint
+    ref, ckpt, folder = small_folder(tmp_path)
+    weights = os.path.join(folder, 'model.safetensors')
+    good = load_file(weights)
+    state, meta = load_weights(ckpt)
+    from timm_patchmix.checkpoint import save_weights
+    for dtype in (torch.int32, torch.bool):
+        bad = dict(good, **{'backbone.conv1.weight': good['backbone.conv1.weight'].to(dtype)})
+        save_file(bad, weights)
+        what = str(dtype).replace('torch.', '')
+        needle = rf'{{}}: the tensor backbone.conv1.weight is {what}, and the model.s backbone.conv1.weight is float32'
+        for kw in ({}, {'num_classes': 5}):
+            with pytest.raises(CheckpointError, match=needle.format(weights)):
+                timm.create_model(f'local-dir:{folder}', pretrained=True, **kw)
+        path = str(tmp_path / f'bad-{what}.safetensors')
+        save_weights(path, dict(state, **{'backbone.conv1.weight': state['backbone.conv1.weight'].to(dtype)}), meta)
+        with pytest.raises(CheckpointError, match=needle.format(path)):
+            hub.model_from_weights(path)
+        with pytest.raises(CheckpointError, match=needle.format(path)):
+            load_initial_checkpoint(timm.create_model('patchhead_resnet8_cifar', num_classes=7), path)
+    # a float num_batches_tracked would be truncated into the integer buffer: refused as well
+    save_file(dict(good, **{'backbone.bn1.num_batches_tracked': torch.tensor(1.5)}), weights)
+    with pytest.raises(CheckpointError, match='backbone.bn1.num_batches_tracked is float32, and the model.s '
+                                              'backbone.bn1.num_batches_tracked is int64'):
+        timm.create_model(f'local-dir:{folder}', pretrained=True)
+    # float16 weights widen into float32; the integer buffers stay integer
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in good.items()}, weights)
+    model = timm.create_model(f'local-dir:{folder}', pretrained=True)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v.half().float()) for k, v in good.items() if v.is_floating_point())
+    assert got['backbone.bn1.num_batches_tracked'].dtype == torch.int64
+
+
+def test_a_backbone_weights_file_named_in_the_overlay_is_read_from_safetensors_only(tmp_path, monkeypatch):
+    """``patchhead_<arch>`` with no weights of its own and a ``file`` in the overlay: a .pth is refused without
+    unpickling it, and a damaged .safetensors is a CheckpointError naming it (features_only alike)."""
+    plain = timm.create_model('resnet8_cifar', num_classes=10)
+    torch.save(plain.state_dict(), str(tmp_path / 'backbone.pth'))
+    from safetensors.torch import save_file
+    save_file(plain.state_dict(), str(tmp_path / 'backbone.safetensors'))
+    data = open(tmp_path / 'backbone.safetensors', 'rb').read()
+    with open(tmp_path / 'cut.safetensors', 'wb') as f:
+        f.write(data[:len(data) // 2])
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError(f'torch.load({args}, {kwargs}) was called')
+    monkeypatch.setattr(torch, 'load', no_unpickling)
+    for extra in ({}, {'features_only': True}):
+        for name in ('patchhead_resnet8_cifar', 'patchhead_resnet18.a1_in1k'):
+            with pytest.raises(CheckpointError, match=r'backbone.pth is not a .safetensors file: weights are read '
+                                                      r'from safetensors only'):
+                timm.create_model(name, pretrained=True, **extra,
+                                  pretrained_cfg_overlay=dict(file=str(tmp_path / 'backbone.pth'), num_classes=10))
+        with pytest.raises(CheckpointError, match=rf'{tmp_path / "cut.safetensors"} are damaged or incomplete'):
+            timm.create_model('patchhead_resnet8_cifar', pretrained=True, **extra,
+                              pretrained_cfg_overlay=dict(file=str(tmp_path / 'cut.safetensors'), num_classes=10))
+    m = timm.create_model('patchhead_resnet8_cifar', pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(tmp_path / 'backbone.safetensors'), num_classes=10))
+    assert same_state(m.backbone.state_dict(), plain.state_dict())
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('model_args', None, 'model_args must be an object (a dict), got None'),
+    ('pretrained_cfg', None, 'pretrained_cfg must be an object (a dict), got None'),
+    ('pretrained_cfg.classifier', 5, 'pretrained_cfg.classifier must be a module name or a non-empty list of module '
+                                     'names, got 5'),
+    ('pretrained_cfg.mean', 'abc', "pretrained_cfg.mean must be a non-empty list of numbers, got 'abc'"),
+    ('pretrained_cfg.std', [0.2, 0, 0.2], 'pretrained_cfg.std must be positive numbers, got [0.2, 0, 0.2]'),
+    ('pretrained_cfg.std', [], 'pretrained_cfg.std must be a non-empty list of numbers, got []'),
+    ('pretrained_cfg.input_size', [3, 32], 'pretrained_cfg.input_size must be [channels, height, width]'),
+    ('pretrained_cfg.crop_pct', 'full', "pretrained_cfg.crop_pct must be a finite number >= 0.0, got 'full'"),
+    ('pretrained_cfg.custom_load', True, 'pretrained_cfg.custom_load must be false'),
+])
+def test_bad_config_fields_are_checkpoint_errors_naming_the_field(tmp_path, field, value, message):
+    """Through hub.load_model and train.py's --model local-dir: (engine.model.resolve_arch), and timm.create_model
+    wherever the package's code runs first (timm's own reader fails on a null model_args/pretrained_cfg before)."""
+    import re
+    from timm_patchmix.engine.errors import TrainSetupError
+    from timm_patchmix.engine.model import resolve_arch
+    _, _, folder = small_folder(tmp_path, num_classes=10)
+    path = os.path.join(folder, 'config.json')
+    cfg = json.load(open(path))
+    top, _, sub = field.partition('.')
+    if sub:
+        cfg[top][sub] = value
+    else:
+        cfg[top] = value
+    json.dump(cfg, open(path, 'w'))
+    expected = re.escape(f'{folder}: config.json: {message}')
+    with pytest.raises(CheckpointError, match=expected):
+        hub.load_model(f'local-dir:{folder}')
+    with pytest.raises(TrainSetupError, match=expected):
+        resolve_arch(f'local-dir:{folder}')
+    if sub:
+        with pytest.raises(CheckpointError, match=expected):
+            timm.create_model(f'local-dir:{folder}', pretrained=True)

@@ -12,7 +12,7 @@ import math
 from typing import Any, Callable, Dict, Optional, Type
 
 __all__ = ['Fields', 'is_int', 'is_number', 'MODEL_KWARGS', 'check_model_kwargs', 'check_weights_meta',
-           'check_holdout_record', 'check_hub_config', 'check_python_rng']
+           'check_holdout_record', 'check_hub_config', 'check_python_rng', 'check_tensor_kinds']
 
 
 def is_int(v: Any) -> bool:
@@ -228,8 +228,56 @@ def check_holdout_record(rec: Any, f: Fields, field: str = 'holdout') -> Dict[st
 
 
 # --- Hub config.json --------------------------------------------------------------------------------------------
+def _names(f: Fields, value: Any, field: str) -> None:
+    """A module name or a non-empty list of them (``classifier``, ``first_conv``)."""
+    if isinstance(value, str):
+        f.str(value, field, nonempty=True)
+        return
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        f.fail(field, 'a module name or a non-empty list of module names', value)
+
+
+def check_pretrained_cfg(pcfg: Any, f: Fields, field: str = 'pretrained_cfg') -> Dict[str, Any]:
+    """The ``pretrained_cfg`` of a ``config.json``: the fields timm and this package read, each checked when present
+    and not null (the weights' class count, classifier heads, input size, normalisation, resize)."""
+    f.dict(pcfg, field)
+    if pcfg.get('num_classes') is not None:
+        f.int(pcfg['num_classes'], f'{field}.num_classes', lo=1)
+    for key in ('classifier', 'first_conv'):
+        if pcfg.get(key) is not None:
+            _names(f, pcfg[key], f'{field}.{key}')
+    for key in ('input_size', 'test_input_size', 'min_input_size'):
+        if pcfg.get(key) is not None:
+            f.input_size(pcfg[key], f'{field}.{key}')
+    for key in ('mean', 'std'):
+        if pcfg.get(key) is not None:
+            value = pcfg[key]
+            if not isinstance(value, list) or not value:
+                f.fail(f'{field}.{key}', 'a non-empty list of numbers', value)
+            f.number_list(value, f'{field}.{key}')
+    if pcfg.get('std') is not None and any(v <= 0 for v in pcfg['std']):
+        f.fail(f'{field}.std', 'positive numbers', pcfg['std'])
+    if pcfg.get('crop_pct') is not None:
+        f.number(pcfg['crop_pct'], f'{field}.crop_pct', lo=0.0, finite=True)
+        if pcfg['crop_pct'] == 0:
+            f.fail(f'{field}.crop_pct', 'a number > 0', pcfg['crop_pct'])
+    for key in ('interpolation', 'crop_mode'):
+        if pcfg.get(key) is not None:
+            f.str(pcfg[key], f'{field}.{key}', nonempty=True)
+    if pcfg.get('label_offset') is not None:
+        f.int(pcfg['label_offset'], f'{field}.label_offset', lo=0)
+    if pcfg.get('fixed_input_size') is not None:
+        f.bool(pcfg['fixed_input_size'], f'{field}.fixed_input_size')
+    if pcfg.get('custom_load') not in (None, False):  # timm would hand the file to model.load_pretrained
+        f.fail(f'{field}.custom_load', 'false (the weights are a plain safetensors state dict)', pcfg['custom_load'])
+    return pcfg
+
+
 def check_hub_config(cfg: Dict[str, Any], f: Fields) -> Dict[str, Any]:
-    """A timm ``config.json`` of a Hub folder: architecture, num_classes, label_names, model_args, pretrained_cfg."""
+    """A timm ``config.json`` of a Hub folder: architecture, num_classes, label_names, model_args, pretrained_cfg.
+
+    ``model_args`` and ``pretrained_cfg``, where present, are objects (``null`` is refused: timm's reader would
+    fail on it with an AttributeError)."""
     f.str(cfg.get('architecture'), 'architecture', nonempty=True)
     n = cfg.get('num_classes')
     if n is not None:
@@ -237,21 +285,40 @@ def check_hub_config(cfg: Dict[str, Any], f: Fields) -> Dict[str, Any]:
     if cfg.get('label_names') is not None:
         f.str_list(cfg['label_names'], 'label_names', n)
     if 'model_args' in cfg:
-        args = cfg['model_args']
-        if isinstance(args, dict) and 'num_classes' in args:  # timm's save_for_hf/push_to_hf_hub write it there too
+        args = f.dict(cfg['model_args'], 'model_args')
+        if 'num_classes' in args:  # timm's save_for_hf/push_to_hf_hub write it there too
             f.int(args['num_classes'], 'model_args.num_classes', lo=1)
             if n is not None and args['num_classes'] != n:
                 raise f.error(f'{f.where}: model_args.num_classes {args["num_classes"]} differs from num_classes {n}')
             args = {k: v for k, v in args.items() if k != 'num_classes'}
         check_model_kwargs(args, f, 'model_args')
-    pcfg = cfg.get('pretrained_cfg')
-    if pcfg is not None:
-        f.dict(pcfg, 'pretrained_cfg')
-        if pcfg.get('num_classes') is not None:
-            f.int(pcfg['num_classes'], 'pretrained_cfg.num_classes', lo=1)
-        if pcfg.get('input_size') is not None:
-            f.input_size(pcfg['input_size'], 'pretrained_cfg.input_size')
+    if 'pretrained_cfg' in cfg:
+        check_pretrained_cfg(cfg['pretrained_cfg'], f)
     return cfg
+
+
+# --- tensors read into a model ----------------------------------------------------------------------------------
+def _kind(t: Any) -> str:
+    if t.is_floating_point():
+        return 'floating-point'
+    if t.is_complex():
+        return 'complex'
+    return 'boolean' if str(t.dtype) == 'torch.bool' else 'integer'
+
+
+def check_tensor_kinds(state: Dict[str, Any], own: Dict[str, Any], where: str, error: Type[Exception]) -> None:
+    """Each tensor of ``state`` is of the kind (floating-point, integer, boolean, complex) of the model's tensor of
+    the same name in ``own``: ``load_state_dict`` would cast an integer or boolean tensor into a float parameter
+    (and a float into an integer buffer such as ``num_batches_tracked``) without a word. Float to float (any
+    width) passes, as does integer to integer."""
+    for k, v in state.items():
+        t = own.get(k)
+        if t is None or not hasattr(v, 'dtype') or not hasattr(t, 'dtype'):
+            continue
+        if _kind(v) != _kind(t):
+            raise error(f'{where}: the tensor {k} is {str(v.dtype).replace("torch.", "")}, and the model\'s {k} '
+                        f'is {str(t.dtype).replace("torch.", "")}: {_kind(t)} values cannot be loaded from {_kind(v)} '
+                        f'ones (the file is damaged, or holds no weights of this model)')
 
 
 def check_python_rng(f: 'Fields', value: Any, field: str) -> None:

@@ -117,8 +117,10 @@ def model_kwargs_error(cfg: TrainConfig, error: TypeError) -> Optional[ConfigErr
 
 
 def load_initial_checkpoint(model: nn.Module, path: str) -> None:
-    """Load weights, dropping classifier tensors whose shapes differ (a new num_classes re-initialises them)."""
+    """Load weights, dropping classifier tensors whose shapes differ (a new num_classes re-initialises them). A
+    tensor of another kind than the model's (an integer or boolean tensor for a float parameter) is refused."""
     from ..checkpoint import CheckpointError, load_weights
+    from ..validation import check_tensor_kinds
     state, _ = load_weights(path)
     own = model.state_dict()
     heads = getattr(model, 'pretrained_cfg', {}).get('classifier') or ()
@@ -129,6 +131,7 @@ def load_initial_checkpoint(model: nn.Module, path: str) -> None:
             k = h + suffix
             if k in state and k in own and state[k].shape != own[k].shape:
                 dropped.append(state.pop(k))
+    check_tensor_kinds(state, own, path, CheckpointError)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not any(k.startswith(h + '.') for h in heads)] if dropped else missing
     if missing or unexpected:

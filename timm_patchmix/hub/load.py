@@ -11,7 +11,7 @@ import torch.nn as nn
 import timm
 
 from ..checkpoint import CheckpointError, load_weights, save_weights
-from ..validation import Fields, check_hub_config
+from ..validation import Fields, check_hub_config, check_tensor_kinds
 
 __all__ = ['model_from_weights', 'load_model', 'load_backbone', 'backbone_state_dict', 'export_backbone']
 
@@ -33,6 +33,7 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
                               f'{kwargs}: {e}') from None
+    check_tensor_kinds(state, model.state_dict(), path, CheckpointError)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # tensors of other shapes (another architecture or in_chans than the metadata says)

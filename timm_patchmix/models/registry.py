@@ -117,27 +117,49 @@ def _own_cfg(name: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
     return cfg
 
 
+# the pretrained cfg fields of a config.json that check_pretrained_cfg checks (as timm hands them over: tuples or lists)
+_CHECKED_CFG = ('num_classes', 'classifier', 'first_conv', 'input_size', 'test_input_size', 'min_input_size', 'mean',
+                'std', 'crop_pct', 'interpolation', 'crop_mode', 'label_offset', 'fixed_input_size', 'custom_load')
+
+
 def _check_config_fields(cfg: Dict[str, Any], model_args: Optional[Dict[str, Any]]) -> None:
-    """A ``config.json``'s fields as timm hands them over (num_classes, label_names, input_size in the cfg; the
-    model_args apart), checked for type and range; its model_args pass the allow-list of architectural arguments."""
+    """A ``config.json``'s fields as timm hands them over (num_classes, label_names and the pretrained cfg fields
+    in one dict; the model_args apart), checked for type and range; its model_args pass the allow-list of
+    architectural arguments."""
     from ..checkpoint import CheckpointError
     from ..validation import Fields, check_hub_config
     where = cfg.get('file') or cfg.get('hf_hub_id') or 'the pretrained cfg'
+    pcfg = {k: list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k] for k in _CHECKED_CFG if k in cfg}
+    pcfg.pop('num_classes', None)  # the root num_classes, checked below
     doc = {'architecture': cfg.get('architecture') or 'patchhead', 'num_classes': cfg.get('num_classes'),
-           'label_names': cfg.get('label_names'), 'model_args': model_args or {},
-           'pretrained_cfg': {'input_size': list(cfg['input_size']) if isinstance(cfg.get('input_size'), tuple)
-                              else cfg.get('input_size')}}
+           'label_names': cfg.get('label_names'), 'model_args': model_args or {}, 'pretrained_cfg': pcfg}
     check_hub_config(doc, Fields(f'{where}: config.json', CheckpointError))
+
+
+def _heads(names) -> tuple:
+    return (names,) if isinstance(names, str) else tuple(names or ())
 
 
 def _with_own_weights(name: str, arch: str, own: Dict[str, Any], pretrained: bool, cache_dir,
                       kwargs: Dict[str, Any]) -> PatchHeadModel:
+    from ..checkpoint import CheckpointError
+    from ..validation import is_int
     file_args = kwargs.pop('pretrained_model_args', None)
     if own.get('source') in ('hf-hub', 'local-dir'):
         _check_config_fields(own, file_args)
+    n = own.get('num_classes')
+    if is_int(n) and n >= 0:  # timm's rule: the weights' class count, unless the call asks for another
+        kwargs.setdefault('num_classes', n)
     model = create_patchhead(arch, pretrained=False, **kwargs)
+    heads = _heads(model.pretrained_cfg['classifier'])
+    named = own.get('classifier')
+    if named is not None and sorted(_heads(named)) != sorted(heads):
+        where = own.get('file') or own.get('hf_hub_id') or 'the pretrained cfg'
+        where += ': config.json' if own.get('source') in ('hf-hub', 'local-dir') else ''
+        raise CheckpointError(f'{where}: pretrained_cfg.classifier names {list(_heads(named))}, and the classifier '
+                              f'heads of {name} are {list(heads)}: the weights are not of this model')
     model.pretrained_cfg = dict(model.pretrained_cfg, **{k: v for k, v in own.items() if v is not None})
-    model.pretrained_cfg['classifier'] = tuple(model.pretrained_cfg['classifier'])
+    model.pretrained_cfg['classifier'] = heads
     if pretrained:
         load_patchhead_weights(model, own, in_chans=kwargs.get('in_chans', 3), cache_dir=cache_dir)
     return model
@@ -151,8 +173,9 @@ def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: b
     if own is None or not pretrained:
         if own is not None:  # the architecture's own cfg, no weights: the plain backbone's cfg
             pretrained_cfg = overlay = None
-        return timm.create_model(arch, features_only=True, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
-                                 pretrained_cfg_overlay=overlay, cache_dir=cache_dir, **kwargs)
+        with _backbone_file_errors(pretrained_cfg, overlay):
+            return timm.create_model(arch, features_only=True, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
+                                     pretrained_cfg_overlay=overlay, cache_dir=cache_dir, **kwargs)
     feature_args = {k: kwargs.pop(k) for k in _FEATURE_KWARGS if k in kwargs}
     whole = _with_own_weights(name, arch, own, True, cache_dir, dict(kwargs, **head_args))
     state = whole.backbone.state_dict()
@@ -161,6 +184,47 @@ def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: b
     source = dict(state_dict=state, file=None, url=None, hf_hub_id=None, num_classes=whole.num_classes)
     return timm.create_model(arch, features_only=True, pretrained=True, pretrained_cfg_overlay=source,
                              **feature_args, **kwargs)
+
+
+def _named_file(pretrained_cfg, overlay) -> Optional[str]:
+    """The file or URL a caller's pretrained cfg/overlay makes timm read for the backbone (None: none, or a state
+    dict, which is read before them)."""
+    cfg: Dict[str, Any] = {}
+    if isinstance(pretrained_cfg, PretrainedCfg):
+        cfg = pretrained_cfg.to_dict()
+    elif isinstance(pretrained_cfg, dict):
+        cfg = dict(pretrained_cfg)
+    cfg.update(overlay or {})
+    if cfg.get('state_dict') is not None or cfg.get('source') in ('hf-hub', 'local-dir'):
+        return None
+    return cfg.get('file') or cfg.get('url') or None
+
+
+def _check_backbone_file(pretrained_cfg, overlay) -> None:
+    """The backbone's weights a caller names (``pretrained_cfg_overlay=dict(file=...)``) are read from safetensors
+    only, as the patch-head weights are: timm alone would unpickle a .pth/.bin."""
+    from ..checkpoint import CheckpointError
+    named = _named_file(pretrained_cfg, overlay)
+    if named and not str(named).endswith('.safetensors'):
+        raise CheckpointError(f'{named} is not a .safetensors file: weights are read from safetensors only (a pickle '
+                              f'file such as .pth or .bin is never read)')
+
+
+class _backbone_file_errors:
+    """A damaged safetensors file named for the backbone: a CheckpointError naming it, not safetensors' own."""
+
+    def __init__(self, pretrained_cfg, overlay):
+        self.named = _named_file(pretrained_cfg, overlay)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, SafetensorError):
+            from ..checkpoint import CheckpointError
+            raise CheckpointError(f'the weights at {self.named or "the pretrained cfg"} are damaged or incomplete '
+                                  f'({e}); fetch or write the file again') from e
+        return False
 
 
 def _entrypoint(arch: str):
@@ -175,11 +239,14 @@ def _entrypoint(arch: str):
         if own is None and pretrained and tag is None and not isinstance(pretrained_cfg, (dict, PretrainedCfg)) \
                 and not any((pretrained_cfg_overlay or {}).get(k) for k in _SOURCES):
             raise _no_weights(name, arch)
+        if own is None and pretrained:
+            _check_backbone_file(pretrained_cfg, pretrained_cfg_overlay)
         if features_only:
             return _features(name, arch, own, pretrained, pretrained_cfg, pretrained_cfg_overlay, cache_dir, kwargs)
         if own is None:
-            return create_patchhead(arch, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
-                                    pretrained_cfg_overlay=pretrained_cfg_overlay, cache_dir=cache_dir, **kwargs)
+            with _backbone_file_errors(pretrained_cfg, pretrained_cfg_overlay):
+                return create_patchhead(arch, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
+                                        pretrained_cfg_overlay=pretrained_cfg_overlay, cache_dir=cache_dir, **kwargs)
         return _with_own_weights(name, arch, own, pretrained, cache_dir, kwargs)
 
     fn.__name__ = name
@@ -190,11 +257,18 @@ def _entrypoint(arch: str):
 
 
 def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans: int = 3, cache_dir=None) -> None:
-    """Load a patchhead checkpoint through timm's own loader (Hub, local folder, file; both heads are dropped
-    when ``model.num_classes`` differs from the checkpoint's), turning a bad file into an error that says what to
-    do."""
+    """Load a patchhead checkpoint through timm's own loader (Hub, local folder, file), turning a bad file into an
+    error that says what to do.
+
+    With the checkpoint's class count every tensor of the model must be in the file and nothing else (a strict
+    load). With another ``model.num_classes`` (fine-tuning) both classifier heads (``model.pretrained_cfg
+    ['classifier']``: the backbone's classifier and ``patch_head.fc``) start fresh, and every other tensor must be
+    in the file: a file that misses any, or holds tensors the model does not have, is a CheckpointError naming
+    them. A tensor of another kind than the model's (an integer or boolean tensor for a float parameter) is one too.
+    """
     from timm.models import load_pretrained
     from ..checkpoint import CheckpointError
+    from ..validation import check_tensor_kinds
     where = cfg.get('file') or cfg.get('hf_hub_id') or cfg.get('url') or 'the pretrained cfg'
     # safetensors only: timm's loaders would fall back to pickle files (pytorch_model.bin, .pth) where a folder,
     # a Hub repo or a file holds no safetensors. The branches follow the order in which load_pretrained picks
@@ -205,6 +279,7 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
             raise CheckpointError(f'{where} holds no model.safetensors: weights are read from safetensors only (a '
                                   f'pytorch_model.bin or other pickle file is never read); `timm-patchmix hub export` '
                                   f'writes such a folder')
+        where = os.path.join(cfg['file'], 'model.safetensors')
     elif source == 'hf-hub' or (cfg.get('state_dict') is None and not cfg.get('file') and cfg.get('hf_hub_id')):
         cfg = dict(cfg, hf_hub_filename='model.safetensors')  # a repo without it fails; no .bin is tried
         where = f'{where} (its model.safetensors: weights are read from safetensors only)'
@@ -213,8 +288,28 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
         if named and not str(named).endswith('.safetensors'):
             raise CheckpointError(f'{where} is not a .safetensors file: weights are read from safetensors only (a '
                                   f'pickle file such as .pth or .bin is never read)')
+    heads = _heads(model.pretrained_cfg.get('classifier'))
+    cfg = dict(cfg, classifier=heads)  # the model's own heads, whatever a cfg names
+    fresh = model.num_classes != cfg.get('num_classes')  # load_pretrained drops both heads then
+
+    def check(state, _model=None):
+        own = model.state_dict()
+        in_head = (lambda k: any(k.startswith(h + '.') for h in heads)) if fresh else (lambda k: False)
+        missing = [k for k in own if k not in state and not in_head(k)]
+        unexpected = [k for k in state if k not in own and not in_head(k)]
+        if missing or unexpected:
+            heads_note = (f' (fine-tuning to {model.num_classes} classes: only the classifier heads '
+                          f'{", ".join(heads)} may be left out)' if fresh else '')
+            raise CheckpointError(f'{where} does not fit {cfg.get("architecture")}{heads_note}: missing '
+                                  f'{len(missing)} tensors {missing[:8]}, unexpected {len(unexpected)} tensors '
+                                  f'{unexpected[:8]}')
+        check_tensor_kinds(state, own, where, CheckpointError)
+        return state
     try:
-        load_pretrained(model, cfg, num_classes=model.num_classes, in_chans=in_chans, cache_dir=cache_dir)
+        load_pretrained(model, cfg, num_classes=model.num_classes, in_chans=in_chans, filter_fn=check,
+                        cache_dir=cache_dir)
+    except CheckpointError:
+        raise
     except SafetensorError as e:
         raise CheckpointError(
             f'the weights of {cfg.get("architecture")} at {where} are damaged or incomplete ({e}). Delete the file '
