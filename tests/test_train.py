@@ -92,10 +92,26 @@ def test_modes_train_and_write_outputs(tmp_path, flags, model, grid):
     assert recorded['grid'] == (grid or [4, 4]) and recorded['num_classes'] == 10
 
 
+def _all_pairs_table(path):
+    """A mask table of every pair of the embedded data's classes, random masks: most guided samples of a batch of
+    16 find their partner class only in the mixer's class memory."""
+    import numpy as np
+    from timm_patchmix.data import PATCHSHAPES_CLASSES
+    from timm_patchmix.guided import MaskTable, dataset_fingerprint
+    rng = np.random.default_rng(0)
+    pairs = [(i, j) for i in range(10) for j in range(i + 1, 10)]
+    MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), dataset_fingerprint('', PATCHSHAPES_CLASSES), pairs,
+              [rng.random((4, 4)) < 0.5 for _ in pairs], [0.1] * len(pairs), 0.1).save(path)
+    return path
+
+
 @pytest.mark.slow
-def test_resume_after_kill_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize('guided', [False, True], ids=['random', 'guided'])
+def test_resume_after_kill_matches_uninterrupted(tmp_path, guided):
     # on the CPU, also where a GPU is present: bit-identical replays need deterministic kernels
     args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path), '--device', 'cpu']
+    if guided:  # the tensor mixer keeps a class memory across batches: each epoch starts it empty
+        args += ['--patchmix-table', _all_pairs_table(str(tmp_path / 'masks.json'))]
     env = dict(os.environ, PYTHONPATH=PYPATH)
     full = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'full'], cwd=ROOT, env=env,
                           capture_output=True, text=True)

@@ -57,6 +57,12 @@ class ClassMemory:
         self.next = (self.next + added) % self.size
         self.count = torch.clamp(self.count + added, max=self.size)
 
+    def clear(self) -> None:
+        """Forget every image (a new epoch starts with an empty memory, as in a fresh loader worker)."""
+        self.images = None
+        self.count.zero_()
+        self.next.zero_()
+
     def has(self, c: int) -> bool:
         return bool(self.count[c] > 0)
 

@@ -57,6 +57,16 @@ class Loaders:
         """The object whose ``mixup_enabled`` switches mixing off (``--patchmix-off-epoch``, ``--mixup-off-epoch``)."""
         return self.collate if self.collate is not None and hasattr(self.collate, 'mixup_enabled') else self.mixer
 
+    def new_epoch(self) -> None:
+        """Empty the class memory of a guided mixer that lives in this process (the tensor mixer, or the collate
+        mixer with ``-j 0``), as loader workers, started afresh every epoch, empty theirs. An epoch's batches then
+        depend only on the epoch's seed, so ``--resume`` redoes an epoch exactly, and every rank of a DDP run alike."""
+        from ..collate import FastCollateGuidedPatchMix
+        from ..guided import GuidedPatchMix
+        for mixer in (self.mixer, self.collate.guided if isinstance(self.collate, FastCollateGuidedPatchMix) else None):
+            if isinstance(mixer, GuidedPatchMix):
+                mixer.memory.clear()
+
 
 def build_datasets(cfg: TrainConfig) -> Datasets:
     """The train, validation (and, with ``--holdout``, test) sets of ``cfg``, and their class count (checked against

@@ -289,6 +289,7 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
         seed_all(epoch_seed(cfg.seed, rt.rank, epoch))
         loaders.generator.manual_seed(epoch_seed(cfg.seed, rt.rank, epoch))
         loaders.sampler.set_epoch(epoch)
+        loaders.new_epoch()
         if loaders.mixing is not None and (cfg.patchmix or not cfg.patch_head) and off and epoch >= off:
             loaders.mixing.mixup_enabled = False
         tr = train_one_epoch(stepper, loaders.train, epoch, rt, on_step)
