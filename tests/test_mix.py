@@ -672,3 +672,20 @@ def test_smoothed_labels_are_the_formula_of_their_one_hot_rows_bit_for_bit(smoot
     assert rows.dtype == torch.float32 and torch.equal(rows, formula)
     assert torch.equal(soft_target(one_hot(y, num_classes), num_classes, smoothing), formula)
     assert torch.equal(soft_target(y[:0], num_classes, smoothing), formula[:0])
+
+
+@pytest.mark.parametrize('mode', ['grad', 'no_grad', 'inference_mode'])
+def test_the_mix_advances_the_batchs_version_counter_in_every_grad_mode(mode):
+    """As for any in-place op: a tensor autograd saved and the mixer then overwrote makes backward() fail, rather
+    than give a gradient of the mixed pixels."""
+    ctx = {'grad': torch.enable_grad, 'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode}[mode]
+    mixer = PatchMix(grid=4, num_classes=10)
+    w = torch.ones(8, 3, 32, 32, requires_grad=True)
+    x = torch.rand(8, 3, 32, 32)
+    out = (w * x).sum()  # saves x for dL/dw
+    version = x._version
+    with ctx():
+        mixer(x, torch.arange(8), generator=torch.Generator().manual_seed(0))
+    assert x._version > version
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'):
+        out.backward()

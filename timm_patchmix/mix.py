@@ -329,8 +329,10 @@ def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
     rb, cb = cell_bounds(h, rows), cell_bounds(w, cols)
     take = (~mask).permute(1, 2, 0).contiguous()  # [rows, cols, B]: the samples that change, cell by cell
     # wider words move the same bytes in fewer elements, but autograd does not record a write through a view of
-    # another dtype
-    xv, sv, wcb = (x, src, cb) if tracked else _same_words(x, src, cb)
+    # another dtype, and a view of another dtype made under inference_mode shares no version counter with ``x``
+    # (a tensor autograd saved would be overwritten unseen)
+    plain = tracked or torch.is_inference_mode_enabled()
+    xv, sv, wcb = (x, src, cb) if plain else _same_words(x, src, cb)
     for r in range(rows):
         for c in range(cols):
             idx = take[r, c].nonzero().flatten()
