@@ -9,8 +9,10 @@ part on the CPU, where no GPU is needed: it runs PatchMix's accelerator branch (
 ``PatchMix`` takes on every device but the CPU) on a tiny float32 batch [128, 3, 8, 8], so that the arithmetic is
 negligible, and counts the aten calls of one call (views included) with a dispatch mode. timm's
 ``Mixup(cutmix_alpha=1, mode='batch')`` runs beside it on the same tensors. Both run again with label smoothing
-0.1 (the ``_ls0.1`` cases), as timm's training defaults set it. With ``--device cuda`` it runs on the
-GPU as is (no branch forced) and times with a synchronize after each call; there the PatchMix cases draw their
+0.1 (the ``_ls0.1`` cases), as timm's training defaults set it. Each case's ratio is against timm's batch CutMix
+with the same label smoothing, timed in the same run (``timm_cutmix_batch_ls0.1`` for the ``_ls0.1`` cases,
+``timm_cutmix_batch`` for the others); the JSON records each case's peer and ratio. With ``--device cuda`` it runs
+on the GPU as is (no branch forced) and times with a synchronize after each call; there the PatchMix cases draw their
 params by replaying a captured CUDA graph (whose kernels the aten count does not see), and
 ``patchmix_elem_eager_draw`` is ``elem`` drawing them eagerly.
 
@@ -34,6 +36,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix.mix as mix  # noqa: E402
 from bench_models import op_count  # noqa: E402  (the script beside this one; call counting only)
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+
+
+def _timm_peer(case: str) -> str:
+    """The timm case a case is compared with: timm's batch CutMix with the same label smoothing."""
+    return 'timm_cutmix_batch_ls0.1' if case.endswith('_ls0.1') else 'timm_cutmix_batch'
 
 
 def main() -> None:
@@ -65,6 +72,7 @@ def main() -> None:
     cut_ls = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode='batch', label_smoothing=0.1, num_classes=args.num_classes)
     cases['patchmix_elem_ls0.1'] = lambda: pm_ls(x, y)
     cases['timm_cutmix_batch_ls0.1'] = lambda: cut_ls(x, y)
+    assert all(_timm_peer(k) in cases for k in cases), 'every case needs its timm peer timed in the same run'
     for fn in cases.values():  # warm-up, and any one-time constants built
         fn()
         fn()
@@ -78,16 +86,19 @@ def main() -> None:
             sync()
             samples[k].append((time.perf_counter() - t0) * 1e6)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    base = med['timm_cutmix_batch']
-    print(f'host cost per mixer call, float32 128x3x8x8 on {device}, median of {args.repeats}:')
+    peer = {k: _timm_peer(k) for k in cases}  # the timm case with the same label smoothing
+    ratio = {k: med[k] / med[peer[k]] for k in cases}
+    print(f'host cost per mixer call, float32 128x3x8x8 on {device}, median of {args.repeats}; '
+          'ratio to timm batch CutMix with the same label smoothing:')
     for k in cases:
-        print(f'  {k:23s} {len(calls[k]):3d} aten calls  {med[k]:7.0f} us  {med[k] / base:5.2f}x timm batch CutMix')
+        print(f'  {k:24s} {len(calls[k]):3d} aten calls  {med[k]:7.0f} us  {ratio[k]:5.2f}x {peer[k]}')
     for k in ('patchmix_elem', 'patchmix_elem_ls0.1'):
         print(f'  {k} calls:', ' '.join(calls[k]))
     if args.json:
         result = {'device': str(device), 'torch': torch.__version__, 'shape': [128, 3, 8, 8],
                   'name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),
                   'repeats': args.repeats, 'num_classes': args.num_classes, 'median_us': med,
+                  'ratio_to_timm_peer': ratio, 'timm_peer': peer,
                   'aten_calls': {k: len(v) for k, v in calls.items()},
                   'calls': calls}
         atomic_write_text(args.json, json.dumps(result, indent=1))
