@@ -344,6 +344,14 @@ def test_a_resume_that_stops_before_its_first_epoch_keeps_args_yaml(tmp_path):
     with open(args_path) as f:
         assert yaml.safe_load(f)['epochs'] == 2
     assert [r['epoch'] for r in read_csv(os.path.join(res['output'], 'summary.csv'))] == ['0', '1']
+    # a fresh rerun over the finished run's files that stops before its first epoch keeps that run's record too
+    with open(args_path) as f:
+        before = f.read()
+    rerun = parse_config(TINY[:-1] + ['1', '--drop', '0.3', '--output', str(tmp_path), '--experiment', 'run'])
+    with pytest.raises(Stop):
+        train(rerun, on_step=stop)
+    with open(args_path) as f:
+        assert f.read() == before
 
 
 def test_robustness_command_evaluates_a_patch_loss_only_model_as_train_does(tmp_path, capsys):

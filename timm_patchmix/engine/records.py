@@ -154,14 +154,14 @@ def write_args(out_dir: str, cfg: TrainConfig) -> None:
     atomic_write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(cfg.record(), sort_keys=False))
 
 
-def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]], resuming: bool = False) -> bool:
-    """``args.yaml`` (the resolved settings), and ``summary.csv`` when resuming with rows. A resume into a folder
-    that already has an ``args.yaml`` keeps it until its first epoch is saved (``write_args``), so a resume that
-    fails before then leaves the record of the files already there; returns whether ``args.yaml`` is still to
-    write."""
+def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> bool:
+    """``args.yaml`` (the resolved settings), and ``summary.csv`` when resuming with rows. A run into a folder that
+    already has an ``args.yaml`` (a resume, or a rerun over an earlier run's files) keeps it until its first epoch
+    is saved (``write_args``), so a run that fails before then leaves the record of the files already there;
+    returns whether ``args.yaml`` is still to write."""
     from ..checkpoint import atomic_write_text
     os.makedirs(out_dir, exist_ok=True)
-    pending = resuming and os.path.isfile(os.path.join(out_dir, 'args.yaml'))
+    pending = os.path.isfile(os.path.join(out_dir, 'args.yaml'))
     if not pending:
         write_args(out_dir, cfg)
     if rows:

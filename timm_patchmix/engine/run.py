@@ -189,7 +189,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
     with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
         if rt.primary:
-            args_pending = write_start(out_dir, cfg, start.rows, resuming=start.model_state is not None)
+            args_pending = write_start(out_dir, cfg, start.rows)
             n_params = sum(p.numel() for p in model.parameters())
             if cfg.linear_probe:
                 n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
