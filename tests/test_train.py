@@ -204,10 +204,13 @@ def test_fgsm_after_training_and_standalone(tmp_path):
     (['--model', 'resnet32_cifar', '--patchmix'], 'use --model patchhead_resnet32_cifar'),
     (['--num-classes', '7'], '--num-classes 7 does not match the 10 classes'),
     (['--patchmix', '--mixup', '0.2'], 'alternatives'),
+    (['--model', 'resnet32_cifar', '--patchmix', '--no-patch-loss', '--patchmix-grid', '33'],
+     r'--patchmix-grid 33x33 does not fit the input 32x32: cannot split a length of 32 into 33'),
 ])
 def test_clear_errors(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):
         run(tmp_path, *flags)
+    assert not (tmp_path / 'run').exists()  # stopped before the run folder was made
 
 
 def write_idx(path, array):

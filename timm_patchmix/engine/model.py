@@ -149,9 +149,16 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
     if cfg.patch_head and cfg.mixup_active:
         raise TrainSetupError(f'--mixup/--cutmix give no per-cell labels for the patch head of {cfg.model}; train '
                               f'the plain backbone for those baselines')
+    input_size = cfg.data_config.input_size
+    if cfg.patchmix:  # the mixer's cells, also where no patch head sees them (image-level PatchMix)
+        from ..grid import cell_bounds
+        try:
+            cell_bounds(input_size[1], cfg.grid[0]), cell_bounds(input_size[2], cfg.grid[1])
+        except ValueError as e:
+            raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} does not fit the input '
+                                  f'{input_size[1]}x{input_size[2]}: {e}') from None
     if not cfg.patch_head:
         return
-    input_size = cfg.data_config.input_size
     was = model.training
     model.eval()
     try:
