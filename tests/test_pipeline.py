@@ -88,8 +88,11 @@ def test_pipeline_runs_phases_and_skips_finished_ones(tmp_path):
     assert rep['wall_time_s'] > 0 and 'wall' not in text  # the wall time goes to report.json only
     # a rerun finds every phase done and only rewrites the report
     stamp = os.path.getmtime(os.path.join(out, 'seed0', 'guided_pm', 'last.safetensors'))
-    again = pipeline_main(['--output', out, '--methods', 'base', 'random_pm', 'guided_pm'] + TINY_TRAIN)
+    threads = torch.get_num_threads()
+    again = pipeline_main(['--output', out, '--methods', 'base', 'random_pm', 'guided_pm', '--threads',
+                           str(threads + 1)] + TINY_TRAIN)
     assert again == text
+    assert torch.get_num_threads() == threads  # --threads was the pipeline's; the caller keeps its own
     assert os.path.getmtime(os.path.join(out, 'seed0', 'guided_pm', 'last.safetensors')) == stamp
 
 

@@ -248,6 +248,25 @@ def test_search_returns_its_result(ckpt, tmp_path):
         assert (tmp_path / f).is_file(), f
 
 
+def _draws():
+    import random
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_search_leaves_the_callers_generators_and_a_drawing_callback_changes_nothing(ckpt, tmp_path):
+    """search() seeds Python's, NumPy's and torch's global generators (DEAP draws from Python's): the caller gets
+    its streams back, and a callback that draws from them does not change the table."""
+    import random
+    cfg = parse_config(['--checkpoint', ckpt, '--output', str(tmp_path / 'a')] + SMALL + ['--generations', '2'])
+    quiet = search(cfg).table.to_json()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    expected = _draws()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    drawn = search(cfg.replace(output=str(tmp_path / 'b')), on_generation=lambda s, row: _draws())
+    assert _draws() == expected
+    assert drawn.table.to_json() == quiet
+
+
 def test_help_names_every_flag_with_defaults():
     parser = build_parser()
     text = parser.format_help()

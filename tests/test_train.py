@@ -409,3 +409,26 @@ def test_amp_off_cuda_records_the_dtype_it_autocast_in(tmp_path, capsys):
     assert 'autocast in bfloat16' in capsys.readouterr().out
     args = yaml.safe_load(open(os.path.join(res['output'], 'args.yaml')))
     assert args['amp'] is True and args['amp_dtype'] == 'bfloat16'
+
+
+def test_train_leaves_the_callers_generators_and_a_drawing_callback_changes_nothing(tmp_path):
+    """train() seeds the global generators: the caller gets its streams back, and an on_step callback that draws
+    from them does not change the run (its mixing and augmentation draw from per-epoch seeded generators; the
+    check guards that the run never reads the global ones after a callback)."""
+    import random
+    import numpy as np
+    from timm_patchmix.engine import train
+    from timm_patchmix.train import parse_config
+
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+    flags = TINY[:-1] + ['1', '--patchmix', '--output', str(tmp_path)]
+    quiet = train(parse_config(flags + ['--experiment', 'quiet']))
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    expected = draws()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    drawn = train(parse_config(flags + ['--experiment', 'drawn']), on_step=lambda event: draws())
+    assert draws() == expected
+    a = load_file(os.path.join(quiet.output, 'last.safetensors'))
+    b = load_file(os.path.join(drawn.output, 'last.safetensors'))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -12,7 +12,8 @@ import random
 import re
 import shutil
 import tempfile
-from typing import Any, Dict, List, Optional, Set, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -230,6 +231,24 @@ def rng_state() -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     py = random.getstate()
     meta = {'numpy': [name, int(pos), int(has_gauss), float(gauss)], 'python': [py[0], list(py[1]), py[2]]}
     return tensors, meta
+
+
+@contextmanager
+def kept_rng_state() -> Iterator[None]:
+    """The global generators of Python, NumPy and torch (the CPU's, and every CUDA device's once CUDA is
+    initialised) as they were before the block, whatever it draws or seeds: ``train()`` and ``search()`` leave their
+    caller's streams as they found them, and a callback cannot shift a run's. The generators are global, so two
+    calls at once in two threads still draw from the same ones."""
+    py, numpy_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def set_rng_state(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:

@@ -773,8 +773,12 @@ def main(argv=None, *, on_train_step=None) -> str:
         raise ValueError('on_train_step needs --jobs 1: with --jobs N the phases run in other processes')
     _check_train_args(parser, args)
     _check_all_phases(args)
-    with hold_folder(args.output, 'pipeline'):  # a second pipeline on this --output stops here
-        return _run(args, argv, threads, on_train_step, started)
+    previous = torch.get_num_threads()
+    try:
+        with hold_folder(args.output, 'pipeline'):  # a second pipeline on this --output stops here
+            return _run(args, argv, threads, on_train_step, started)
+    finally:
+        torch.set_num_threads(previous)  # --threads is for the pipeline's own work; the caller keeps its count
 
 
 def _run(args, argv: List[str], threads: int, on_train_step, started: float) -> str:

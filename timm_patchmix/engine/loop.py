@@ -142,7 +142,9 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
             if cfg.no_progress and (i % cfg.log_interval == 0 or i == steps - 1):
                 print(f'train {epoch} [{i + 1}/{steps}] loss {losses.avg:.4f} {rate:.0f} img/s', flush=True)
         if on_step is not None:
-            on_step(StepEvent(epoch, i + 1, steps, s.updates, loss))
+            from ..checkpoint import kept_rng_state
+            with kept_rng_state():  # what the callback draws does not shift the run's streams
+                on_step(StepEvent(epoch, i + 1, steps, s.updates, loss))
     if s.device.type == 'cuda':
         torch.cuda.synchronize(s.device)
     elapsed = time.perf_counter() - t0

@@ -78,16 +78,19 @@ def train(cfg: TrainConfig, *, on_step: Optional[Callable[[StepEvent], None]] = 
     data config block (a caller training several models logs it for the first only). Raises
     :class:`TrainSetupError` (:class:`ConfigError` for flags) before anything is written when the run cannot start,
     :class:`~timm_patchmix.settings.SettingsChangedError` for a resume with other settings, and
-    :class:`NonFiniteLossError` when the loss stops being finite (earlier epochs' files stay as they were)."""
+    :class:`NonFiniteLossError` when the loss stops being finite (earlier epochs' files stay as they were). The
+    global generators of Python, NumPy and torch are the caller's again on return."""
+    from ..checkpoint import kept_rng_state
     cfg = cfg.with_recipe()
-    rt = init_runtime(cfg.device)
-    finished = False
-    try:
-        result = _train(cfg, rt, on_step, log_data_config)
-        finished = True
-        return result
-    finally:
-        release_runtime(rt, finished)
+    with kept_rng_state():  # the run seeds the global generators; the caller gets its own back
+        rt = init_runtime(cfg.device)
+        finished = False
+        try:
+            result = _train(cfg, rt, on_step, log_data_config)
+            finished = True
+            return result
+        finally:
+            release_runtime(rt, finished)
 
 
 def _say(rt: Runtime, text: str) -> None:

@@ -31,9 +31,18 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
     ``on_generation(search, row)`` runs after each generation's state is saved (generation 0, the initial
     population, included), so a caller can watch the run or stop it there and resume it later with
     ``cfg.replace(resume=True)``. Raises ``SearchError``, ``CheckpointError`` or ``SettingsChangedError`` (a resume
-    with other settings) before anything is written.
+    with other settings) before anything is written. The global generators of Python, NumPy and torch, which the
+    search seeds and DEAP draws from, are the caller's again on return, and what ``on_generation`` draws from them
+    does not change the search.
     """
+    from ..checkpoint import kept_rng_state
+    with kept_rng_state():
+        return _search(cfg, on_generation)
+
+
+def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> SearchResult:
     from tqdm import tqdm
+    from ..checkpoint import kept_rng_state
     s = Search.from_checkpoint(cfg)
     rank = _rank()
     # one process writes a search folder at a time: a second search on it stops here, before it writes anything
@@ -56,7 +65,8 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
                     print(f"gen {row['gen']}: best {row['hof_best']:.4f} mean {row['mean']:.4f} new genes "
                           f"{row['new_genes']} hit rate {row['cache_hit_rate']:.3f}", flush=True)
             if on_generation is not None:
-                on_generation(search_, row)
+                with kept_rng_state():
+                    on_generation(search_, row)
         try:
             table = s.run(on_generation=after)
         finally:
