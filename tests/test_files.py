@@ -592,3 +592,19 @@ def test_individual_genes_round_trip_big_masks():
     ind = Individual(np.array([1, 2]), np.array([0, (1 << 56) - 1, 1 << 55, 7]), None)
     idx, masks = ind.genes(np.array([3]))
     assert idx.tolist() == [1, 2, 3] and masks.tolist() == [(1 << 56) - 1, 1 << 55, 7]
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads the umask from /proc (Linux)')
+def test_atomic_writes_take_the_umask_without_setting_it(tmp_path, monkeypatch):
+    """A written file gets open()'s mode under the current umask, read without os.umask(), which would set the
+    umask to 0 for an instant in which another thread's new file would be world-writable."""
+    old = os.umask(0o027)
+    try:
+        def no_umask(mask):
+            raise AssertionError('os.umask called while writing')
+        monkeypatch.setattr(os, 'umask', no_umask)
+        atomic_write_text(str(tmp_path / 'a.txt'), 'x')
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert (tmp_path / 'a.txt').stat().st_mode & 0o777 == 0o640

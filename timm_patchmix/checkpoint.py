@@ -97,6 +97,28 @@ def release_temp(tmp: str) -> None:
     _ACTIVE.discard(tmp)
 
 
+def _read_umask() -> int:
+    umask = os.umask(0)  # the only portable way to read it sets it: done once, at import
+    os.umask(umask)
+    return umask
+
+
+_IMPORT_UMASK = _read_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where the system allows (Linux's ``/proc/self/status``), so
+    that another thread never creates a file while the umask is briefly 0; elsewhere the umask at import."""
+    try:
+        with open('/proc/self/status', encoding='ascii') as f:
+            for line in f:
+                if line.startswith('Umask:'):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORT_UMASK
+
+
 def _atomic(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -106,9 +128,7 @@ def _atomic(path: str, write) -> None:
     _ACTIVE.add(tmp)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 (and a writer may recreate the file); use open()'s mode
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 (and a writer may recreate the file); use open()'s mode
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

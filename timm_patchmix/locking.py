@@ -109,6 +109,10 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
                 _unlocked(path, f'flock refused: {e.strerror}')
             else:
                 pid = holder_pid(path)
+                if pid == os.getpid():  # this process holds it already: another thread, or a run inside a run
+                    raise error(f'{path} is in use: this process (another thread, or the call that started this '
+                                f'one) is writing there now. Wait for that call to end, or give this {what} another '
+                                f'output folder.') from None
                 by = ''
                 if pid is not None:
                     command = _command_of(pid)
