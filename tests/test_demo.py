@@ -20,3 +20,39 @@ def test_demo_writes_png_and_consistent_json(tmp_path):
         else:
             assert abs(s['target'].get(s['label'], 0.0) - kept) < 1e-6
             assert abs(s['target'].get(s['partner_label'], 0.0) - (1 - kept)) < 1e-6
+
+
+def test_render_grid_draws_greyscale_and_refuses_what_it_cannot_draw():
+    """Greyscale samples (Fashion-MNIST with --in-chans 1) are drawn with their pixels; a float batch or a mask of
+    another grid is a ValueError naming the argument, not an error from inside PIL or an IndexError."""
+    import numpy as np
+    import pytest
+    import torch
+    from timm_patchmix.viz import render_grid
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2, 1, 8, 8), dtype=torch.uint8, generator=g)
+    mask = torch.ones(2, 2, 2, dtype=torch.bool)
+    t = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    picture = render_grid(x, x, x, mask, [0, 1], [0, 1], t, ['a', 'b'], (2, 2), scale=1)
+    top = 18  # no title: the first row starts below the column heads
+    tile = np.asarray(picture)[top:top + 8, :8]  # the first image, drawn without cell lines
+    assert all(np.array_equal(tile[:, :, k], x[0, 0].numpy()) for k in range(3))
+    with pytest.raises(ValueError, match=r'images must be uint8 \[N, 1 or 3, H, W\]'):
+        render_grid(x.float(), x, x, mask, [0, 1], [0, 1], t, ['a', 'b'], (2, 2))
+    with pytest.raises(ValueError, match=r'mask must be \[N, rows, cols\] = \[2, 4, 4\]'):
+        render_grid(x, x, x, mask, [0, 1], [0, 1], t, ['a', 'b'], (4, 4))
+
+
+def test_plot_pairs_and_guided_samples_refuse_nothing_to_draw(tmp_path):
+    import pytest
+    from types import SimpleNamespace
+    from timm_patchmix.viz import plot_pairs, render_guided_samples
+    with pytest.raises(ValueError, match='holds no class pairs'):
+        plot_pairs(SimpleNamespace(pairs=[], masks=[], num_classes=2, class_names=['a', 'b'], search_args={}),
+                   str(tmp_path / 'p.png'))
+    with pytest.raises(ValueError, match='max_pairs must be an integer >= 1, got 0'):
+        plot_pairs(SimpleNamespace(pairs=[(0, 1)]), str(tmp_path / 'p.png'), max_pairs=0)
+    for n in (0, -1):
+        with pytest.raises(ValueError, match=f'n must be an integer >= 1, got {n}'):
+            render_guided_samples('unused.json', '', '', str(tmp_path / 'g.png'), n=n)
+    assert not os.listdir(tmp_path)

@@ -68,6 +68,10 @@ def plot_pairs(table, path: str, max_pairs: int = 40) -> None:
     """The chosen class pairs of a :class:`~timm_patchmix.table.MaskTable` with their masks and scores, in the
     table's order, with a title and a legend saying what the colours and numbers mean."""
     from matplotlib.patches import Patch
+    if isinstance(max_pairs, bool) or not isinstance(max_pairs, int) or max_pairs < 1:
+        raise ValueError(f'plot_pairs: max_pairs must be an integer >= 1, got {max_pairs!r}')
+    if not table.pairs:
+        raise ValueError('plot_pairs: the table holds no class pairs to plot')
     plt = _pyplot()
     n = min(len(table.pairs), max_pairs)
     cols = min(n, 8)
@@ -108,6 +112,8 @@ def plot_pairs(table, path: str, max_pairs: int = 40) -> None:
 # --- grids of mixed samples ------------------------------------------------------------------------------------
 def _tile(img: torch.Tensor, scale: int) -> Image.Image:
     arr = img.permute(1, 2, 0).numpy()
+    if arr.shape[2] == 1:  # greyscale
+        arr = arr[:, :, 0]
     return Image.fromarray(arr).resize((arr.shape[1] * scale, arr.shape[0] * scale), Image.NEAREST)
 
 
@@ -124,10 +130,16 @@ def render_grid(images, partners, mixed, mask, labels: Sequence[int], partner_la
     """One row per sample: the image, its partner, the mix with its cell lines (white: the cell is the image's,
     black: the partner's) and the lambda-weighted label naming the image's class, then the partner's.
 
-    ``images``, ``partners``, ``mixed``: uint8 ``[N, C, H, W]``; ``mask``: bool ``[N, rows, cols]``; ``image_t``:
-    the image targets ``[N, num_classes]``; ``title``: lines above the grid.
+    ``images``, ``partners``, ``mixed``: uint8 ``[N, C, H, W]`` with C 1 (greyscale) or 3; ``mask``: bool
+    ``[N, rows, cols]``; ``image_t``: the image targets ``[N, num_classes]``; ``title``: lines above the grid.
     """
+    for name, t in (('images', images), ('partners', partners), ('mixed', mixed)):
+        if t.dtype != torch.uint8 or t.ndim != 4 or t.shape[1] not in (1, 3) or t.shape != mixed.shape:
+            raise ValueError(f'render_grid: {name} must be uint8 [N, 1 or 3, H, W] like mixed {tuple(mixed.shape)}, '
+                             f'got {t.dtype} {tuple(t.shape)}')
     n, _, h, w = mixed.shape
+    if tuple(mask.shape) != (n, *grid):
+        raise ValueError(f'render_grid: mask must be [N, rows, cols] = {[n, *grid]}, got {list(mask.shape)}')
     tw, th, pad = w * scale, h * scale, 6
     texts = [_label_text(classes, int(labels[i]), int(partner_labels[i]), image_t[i]) for i in range(n)]
     notes = [f'(white cells: from the {classes[int(labels[i])]} image)' for i in range(n)]
@@ -167,6 +179,8 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     from .data import build_dataset
     from .mix import PatchMix, PatchMixParams, split_target
     from .table import MaskTable
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f'render_guided_samples: n must be an integer >= 1, got {n!r}')
     table = MaskTable.load(table_path)
     ds = build_dataset(dataset, data_dir, 'validation')
     labels = [int(ds.base.targets[q]) for q in ds.indices] if hasattr(ds.base, 'targets') else \
