@@ -494,6 +494,22 @@ def test_stale_temporaries_are_cleaned_by_the_next_run(ckpt, tmp_path):
     assert os.listdir(tmp_path / 'hub') == ['repo']
 
 
+def test_a_folder_set_aside_by_a_killed_overwrite_gets_its_name_back(ckpt, tmp_path):
+    """An export --overwrite moves the old folder into a temporary, then renames the new one in. Killed between
+    the two renames, the next writer beside it puts the old folder back instead of deleting it."""
+    from timm_patchmix.checkpoint import SET_ASIDE, clean_stale_temps
+    parent = tmp_path / 'hub'
+    folder = hub.export_folder(ckpt, str(parent / 'repo'))
+    before = {n: open(os.path.join(folder, n), 'rb').read() for n in os.listdir(folder)}
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    aside = parent / f'.repo.patchmix-{int(dead.stdout)}-abc123.tmp'
+    aside.mkdir()
+    os.replace(folder, aside / SET_ASIDE)  # the state a SIGKILL between the renames leaves
+    clean_stale_temps(str(parent))
+    assert os.listdir(parent) == ['repo']
+    assert {n: open(os.path.join(folder, n), 'rb').read() for n in os.listdir(folder)} == before
+
+
 # --- the search: hall of fame with same-class pairs, exact gene-score cache keys ------------------------------
 def image_folder(root, classes, per_class=3):
     rng = np.random.default_rng(0)

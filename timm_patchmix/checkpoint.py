@@ -36,7 +36,8 @@ class CheckpointError(ValueError):
 # A temporary file or folder of this project's writers: ``.<target name>.patchmix-<pid>-<random>.tmp`` beside its
 # target. A writer killed before its rename leaves one behind; the next write into that folder removes those whose
 # process is gone (see clean_stale_temps).
-_TEMP_NAME = re.compile(r'^\..+\.patchmix-(\d+)-[A-Za-z0-9_]+\.tmp$')
+_TEMP_NAME = re.compile(r'^\.(.+)\.patchmix-(\d+)-[A-Za-z0-9_]+\.tmp$')
+SET_ASIDE = 'x'  # in a temporary folder: the folder an overwrite moved out of the way before renaming its own in
 _ACTIVE: Set[str] = set()  # this process's temporaries in flight
 
 
@@ -59,7 +60,8 @@ def _process_gone(pid: int) -> bool:
 
 def clean_stale_temps(folder: str) -> List[str]:
     """Remove the temporaries that killed writers of this project left in ``folder``: those of a process that no
-    longer exists, and this process's own that are not in flight. Returns the paths removed."""
+    longer exists, and this process's own that are not in flight. Returns the paths removed. A folder that an
+    overwrite had set aside (killed between its two renames) goes back to its name when that name is free."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -70,9 +72,12 @@ def clean_stale_temps(folder: str) -> List[str]:
         if not m:
             continue
         path = os.path.join(folder, name)
-        pid = int(m.group(1))
+        pid = int(m.group(2))
         if path in _ACTIVE or not (_process_gone(pid) or pid == os.getpid()):
             continue
+        aside, target = os.path.join(path, SET_ASIDE), os.path.join(folder, m.group(1))
+        if os.path.lexists(aside) and not os.path.lexists(target):
+            os.replace(aside, target)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)

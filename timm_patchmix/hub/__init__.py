@@ -20,7 +20,8 @@ import os
 import shutil
 from typing import Optional
 
-from ..checkpoint import CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights, temp_dir
+from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights,
+                          temp_dir)
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary
 from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
@@ -111,18 +112,18 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         os.chmod(tmp, 0o755)
         if os.path.lexists(folder):
             old = temp_dir(folder)
-            os.replace(folder, os.path.join(old, 'x'))
+            os.replace(folder, os.path.join(old, SET_ASIDE))
             try:
                 os.replace(tmp, folder)
             except BaseException:
-                os.replace(os.path.join(old, 'x'), folder)  # put the existing folder back
+                os.replace(os.path.join(old, SET_ASIDE), folder)  # put the existing folder back
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, folder)
     except BaseException:
         for t in (tmp, old):
-            if t is not None and not os.path.lexists(os.path.join(t, 'x')):  # never the folder being replaced
+            if t is not None and not os.path.lexists(os.path.join(t, SET_ASIDE)):  # never the folder being replaced
                 shutil.rmtree(t, ignore_errors=True)
         for d in created:  # deepest first; stop at the first that something else has filled meanwhile
             try:
