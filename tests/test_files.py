@@ -624,3 +624,10 @@ def test_atomic_writes_take_the_umask_without_setting_it(tmp_path, monkeypatch):
         monkeypatch.undo()
         os.umask(old)
     assert (tmp_path / 'a.txt').stat().st_mode & 0o777 == 0o640
+
+
+def test_a_training_state_given_as_weights_is_named_as_such(tmp_path):
+    state = _train_state(str(tmp_path / 'state.safetensors'))
+    with pytest.raises(CheckpointError, match=r'state\.safetensors is a training state \(to --resume from\), not '
+                                              r'model weights: give the run\'s best\.safetensors'):
+        hub.model_from_weights(state)

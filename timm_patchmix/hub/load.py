@@ -22,6 +22,9 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     """Build the model recorded in ``path``'s metadata, load its weights strictly, return ``(model, meta)``."""
     state, meta = load_weights(path)
     arch = meta.get('model')
+    if not arch and meta.get('kind') == 'train_state':
+        raise CheckpointError(f'{path} is a training state (to --resume from), not model weights: give the run\'s '
+                              f'best.safetensors or last.safetensors beside it')
     if not arch:
         raise CheckpointError(f'{path} carries no timm_patchmix metadata naming its model; build the model '
                               f'yourself and load the file with safetensors.torch.load_file')
