@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
-__all__ = ['int_range', 'float_range', 'positive_int', 'nonneg_int', 'positive_float', 'nonneg_float',
-           'probability', 'fraction', 'existing_file', 'optional_file', 'new_file', 'directory', 'optional_directory',
-           'file_or_name']
+__all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'nonneg_int', 'positive_float',
+           'nonneg_float', 'probability', 'fraction', 'existing_file', 'optional_file', 'new_file', 'directory',
+           'optional_directory', 'file_or_name']
 
 
 def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
@@ -30,39 +32,86 @@ def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
     return kind
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a numeric flag, which also checks a value given in Python (``TrainConfig``): one rule for both.
+
+    ``kind`` is ``'int'`` (an integer; not a bool, a float or a string) or ``'float'`` (a finite int or float; not a
+    bool or a string). ``want`` is the phrase of the error messages: ``'an integer >= 1'``."""
+    kind: str
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    @property
+    def want(self) -> str:
+        return _describe(self.lo, self.hi, self.lo_open, self.hi_open,
+                         'an integer' if self.kind == 'int' else 'a finite number')
+
+    def in_range(self, value) -> bool:
+        """``value`` (a number) lies within the bounds."""
+        lo, hi = self.lo, self.hi
+        return not ((lo is not None and (value <= lo if self.lo_open else value < lo))
+                    or (hi is not None and (value >= hi if self.hi_open else value > hi)))
+
+    def accepts(self, value: Any) -> bool:
+        """``value``, a Python value, is of the kind and within the bounds (numpy's numbers count as numbers)."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        if self.kind == 'int':
+            if not isinstance(value, numbers.Integral):
+                return False
+        elif not math.isfinite(value):
+            return False
+        return self.in_range(value)
+
+
+def bounds_of(parse: Callable[[str], Any]) -> Optional[Bounds]:
+    """The :class:`Bounds` of an argument type made by :func:`int_range` or :func:`float_range`; ``Bounds('int')``
+    for the builtin ``int`` (any integer); ``None`` for any other type."""
+    if parse is int:
+        return Bounds('int')
+    return getattr(parse, 'bounds', None)
+
+
 def int_range(lo: Optional[int] = None, hi: Optional[int] = None, name: Optional[str] = None) -> Callable[[str], int]:
-    """An integer in [lo, hi] (either bound may be None)."""
-    want = _describe(lo, hi, False, False, 'an integer')
+    """An integer in [lo, hi] (either bound may be None). The type's ``bounds`` (:class:`Bounds`) is its range."""
+    bounds = Bounds('int', lo, hi)
+    want = bounds.want
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}') from None
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if not bounds.in_range(value):
             raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}')
         return value
 
     parse.__name__ = name or f'int_range_{lo}_{hi}'
+    parse.bounds = bounds  # type: ignore[attr-defined]
     return parse
 
 
 def float_range(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False, hi_open: bool = False,
                 name: Optional[str] = None) -> Callable[[str], float]:
-    """A finite float in the interval from lo to hi (closed unless ``lo_open``/``hi_open``); NaN and inf are refused."""
-    want = _describe(lo, hi, lo_open, hi_open, 'a finite number')
+    """A finite float in the interval from lo to hi (closed unless ``lo_open``/``hi_open``); NaN and inf are refused.
+    The type's ``bounds`` (:class:`Bounds`) is its range."""
+    bounds = Bounds('float', lo, hi, lo_open, hi_open)
+    want = bounds.want
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}') from None
-        if not math.isfinite(value) or (lo is not None and (value <= lo if lo_open else value < lo)) or \
-                (hi is not None and (value >= hi if hi_open else value > hi)):
+        if not math.isfinite(value) or not bounds.in_range(value):
             raise argparse.ArgumentTypeError(f'must be {want}, got {text!r}')
         return value
 
     parse.__name__ = name or f'float_range_{lo}_{hi}'
+    parse.bounds = bounds  # type: ignore[attr-defined]
     return parse
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -378,9 +379,17 @@ def is_train_split(split: str) -> bool:
     return split in ('train', 'training')
 
 
+def _check_subset(subset) -> None:
+    """``subset`` is None or an integer >= 0 (a negative one would slice all but that many images off the end)."""
+    if subset is not None and (isinstance(subset, bool) or not isinstance(subset, numbers.Integral) or subset < 0):
+        raise ValueError(f'subset must be an integer >= 0 or None (the number of images to keep), got {subset!r}')
+
+
 def subset_indices(indices, subset: Optional[int], seed: int = 0) -> list:
     """A fixed random ``subset`` of ``indices`` (all of them, in order, when ``subset`` is None or not smaller):
-    ``indices[permutation(len(indices), seed)[:subset]]``, the rule of every ``--*-subset`` flag."""
+    ``indices[permutation(len(indices), seed)[:subset]]``, the rule of every ``--*-subset`` flag. A ``subset``
+    that is not an integer >= 0 is a ``ValueError``."""
+    _check_subset(subset)
     indices = list(indices)
     if subset is None or subset >= len(indices):
         return indices
@@ -404,8 +413,10 @@ def build_dataset(name: str, root: str = '', split: str = 'train', download: boo
     (:class:`SklearnDigits`, from scikit-learn; ``root`` is not used), or any timm dataset name
     (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
     ``subset`` of the items (:func:`subset_indices`). ``class_names``: the training split's classes, which the
-    labels of an evaluation split must follow (see :func:`open_dataset`).
+    labels of an evaluation split must follow (see :func:`open_dataset`). A ``subset`` that is not an integer
+    >= 0 is a ``ValueError``, before the dataset is opened.
     """
+    _check_subset(subset)
     base, classes = open_dataset(name, root, split, download, class_names)
     indices = None
     if subset is not None and subset < len(base):

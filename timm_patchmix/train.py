@@ -19,10 +19,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
-from .cli_types import (fraction, nonneg_float, nonneg_int, optional_directory, optional_file, positive_float,
-                        positive_int, probability)
+from .cli_types import optional_directory, optional_file
 from .engine import ConfigError, NonFiniteLossError, StepEvent, TrainConfig, TrainSetupError, train
-from .engine.config import CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS
+from .engine.config import CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS, VALUE_TYPES
 from .engine.model import model_arch
 from .engine.records import RESUME_SETTINGS, resume_settings
 
@@ -54,16 +53,17 @@ def _dataset_flags(g) -> None:
                    help='the split every epoch is evaluated on; with --holdout, the test split, evaluated once at '
                         'the end')
     g.add_argument('--dataset-download', action='store_true', default=False)
-    g.add_argument('--train-subset', type=positive_int, default=None,
+    g.add_argument('--train-subset', type=VALUE_TYPES['train_subset'], default=None,
                    help='train on a fixed random subset of N images (with --holdout, of the images not held out)')
-    g.add_argument('--val-subset', type=positive_int, default=None,
+    g.add_argument('--val-subset', type=VALUE_TYPES['val_subset'], default=None,
                    help='validate on a fixed random subset of N images (with --holdout, of the held-out images)')
-    g.add_argument('--holdout', type=fraction, default=0.0, metavar='FRACTION',
+    g.add_argument('--holdout', type=VALUE_TYPES['holdout'], default=0.0, metavar='FRACTION',
                    help='hold out this fixed random fraction of the training split: it never trains, and every '
                         'epoch is evaluated on it (best epoch, --eval-metric); --val-split becomes the test split, '
                         'evaluated at the end (0: off, every epoch is evaluated on --val-split)')
-    g.add_argument('--holdout-seed', type=nonneg_int, default=0, help='which images --holdout holds out')
-    g.add_argument('--test-subset', type=positive_int, default=None,
+    g.add_argument('--holdout-seed', type=VALUE_TYPES['holdout_seed'], default=0,
+                   help='which images --holdout holds out')
+    g.add_argument('--test-subset', type=VALUE_TYPES['test_subset'], default=None,
                    help='with --holdout, test on a fixed random subset of N images of --val-split (default: all)')
 
 
@@ -81,71 +81,72 @@ def _model_flags(g) -> None:
                    help='train only the classifier (and a patchhead_ model\'s patch classifier while the patch loss '
                         'is on); the rest of the model is frozen and stays in eval mode. Does not reset the head: '
                         'add --reset-head for a fresh one')
-    g.add_argument('--num-classes', type=positive_int, default=None)
-    g.add_argument('--in-chans', type=positive_int, default=None)
-    g.add_argument('--img-size', type=positive_int, default=None)
-    g.add_argument('--input-size', type=positive_int, nargs=3, default=None, metavar='N')
+    g.add_argument('--num-classes', type=VALUE_TYPES['num_classes'], default=None)
+    g.add_argument('--in-chans', type=VALUE_TYPES['in_chans'], default=None)
+    g.add_argument('--img-size', type=VALUE_TYPES['img_size'], default=None)
+    g.add_argument('--input-size', type=VALUE_TYPES['input_size'], nargs=3, default=None, metavar='N')
     g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
-    g.add_argument('--drop', type=probability, default=0.0)
-    g.add_argument('--drop-path', type=probability, default=None)
+    g.add_argument('--drop', type=VALUE_TYPES['drop'], default=0.0)
+    g.add_argument('--drop-path', type=VALUE_TYPES['drop_path'], default=None)
     g.add_argument('--grad-checkpointing', action='store_true', default=False)
     g.add_argument('--torchcompile', nargs='?', const='inductor', default=None)
 
 
 def _optimizer_flags(g) -> None:
-    g.add_argument('-b', '--batch-size', type=positive_int, default=None)
-    g.add_argument('-vb', '--validation-batch-size', type=positive_int, default=None)
+    g.add_argument('-b', '--batch-size', type=VALUE_TYPES['batch_size'], default=None)
+    g.add_argument('-vb', '--validation-batch-size', type=VALUE_TYPES['validation_batch_size'], default=None)
     g.add_argument('--opt', default=None)
-    g.add_argument('--opt-eps', type=nonneg_float, default=None)
-    g.add_argument('--opt-betas', type=fraction, nargs='+', default=None)
-    g.add_argument('--momentum', type=nonneg_float, default=None)
-    g.add_argument('--weight-decay', type=nonneg_float, default=None)
-    g.add_argument('--clip-grad', type=nonneg_float, default=None, help='0: no clipping')
+    g.add_argument('--opt-eps', type=VALUE_TYPES['opt_eps'], default=None)
+    g.add_argument('--opt-betas', type=VALUE_TYPES['opt_betas'], nargs='+', default=None)
+    g.add_argument('--momentum', type=VALUE_TYPES['momentum'], default=None)
+    g.add_argument('--weight-decay', type=VALUE_TYPES['weight_decay'], default=None)
+    g.add_argument('--clip-grad', type=VALUE_TYPES['clip_grad'], default=None, help='0: no clipping')
     g.add_argument('--clip-mode', default='norm', choices=CLIP_MODES,
                    help="timm's dispatch_clip_grad: 'norm', 'value' or 'agc' (adaptive, --clip-grad is the ratio)")
     g.add_argument('--sched', default=None, choices=SCHEDULERS)
     g.add_argument('--sched-on-updates', action='store_true', default=False)
-    g.add_argument('--lr', type=positive_float, default=None)
-    g.add_argument('--lr-base', type=positive_float, default=0.1)
-    g.add_argument('--lr-base-size', type=positive_int, default=256)
+    g.add_argument('--lr', type=VALUE_TYPES['lr'], default=None)
+    g.add_argument('--lr-base', type=VALUE_TYPES['lr_base'], default=0.1)
+    g.add_argument('--lr-base-size', type=VALUE_TYPES['lr_base_size'], default=256)
     g.add_argument('--lr-base-scale', default='', choices=('', 'linear', 'sqrt'))
-    g.add_argument('--min-lr', type=nonneg_float, default=None)
-    g.add_argument('--warmup-lr', type=nonneg_float, default=None)
-    g.add_argument('--epochs', type=positive_int, default=None)
-    g.add_argument('--warmup-epochs', type=nonneg_int, default=None)
-    g.add_argument('--cooldown-epochs', type=nonneg_int, default=0)
-    g.add_argument('--decay-epochs', type=positive_float, default=90)
-    g.add_argument('--decay-rate', type=positive_float, default=0.1)
+    g.add_argument('--min-lr', type=VALUE_TYPES['min_lr'], default=None)
+    g.add_argument('--warmup-lr', type=VALUE_TYPES['warmup_lr'], default=None)
+    g.add_argument('--epochs', type=VALUE_TYPES['epochs'], default=None)
+    g.add_argument('--warmup-epochs', type=VALUE_TYPES['warmup_epochs'], default=None)
+    g.add_argument('--cooldown-epochs', type=VALUE_TYPES['cooldown_epochs'], default=0)
+    g.add_argument('--decay-epochs', type=VALUE_TYPES['decay_epochs'], default=90)
+    g.add_argument('--decay-rate', type=VALUE_TYPES['decay_rate'], default=0.1)
     g.add_argument('--recipe', choices=sorted(RECIPES), default=None,
                    help="defaults for unset flags: 'demo' (the default with the embedded data), 'timm' (timm's "
                         "train.py defaults, the default otherwise) or 'paper-cifar'")
 
 
 def _mixing_flags(g) -> None:
-    g.add_argument('--mixup', type=nonneg_float, default=0.0)
-    g.add_argument('--cutmix', type=nonneg_float, default=0.0)
-    g.add_argument('--cutmix-minmax', type=probability, nargs=2, default=None, metavar=('MIN', 'MAX'))
-    g.add_argument('--mixup-prob', type=probability, default=1.0)
-    g.add_argument('--mixup-switch-prob', type=probability, default=0.5)
+    g.add_argument('--mixup', type=VALUE_TYPES['mixup'], default=0.0)
+    g.add_argument('--cutmix', type=VALUE_TYPES['cutmix'], default=0.0)
+    g.add_argument('--cutmix-minmax', type=VALUE_TYPES['cutmix_minmax'], nargs=2, default=None, metavar=('MIN', 'MAX'))
+    g.add_argument('--mixup-prob', type=VALUE_TYPES['mixup_prob'], default=1.0)
+    g.add_argument('--mixup-switch-prob', type=VALUE_TYPES['mixup_switch_prob'], default=0.5)
     g.add_argument('--mixup-mode', default='batch', choices=('batch', 'pair', 'elem', 'half'))
-    g.add_argument('--mixup-off-epoch', type=nonneg_int, default=0, help='0: never')
-    g.add_argument('--smoothing', type=fraction, default=None)
+    g.add_argument('--mixup-off-epoch', type=VALUE_TYPES['mixup_off_epoch'], default=0, help='0: never')
+    g.add_argument('--smoothing', type=VALUE_TYPES['smoothing'], default=None)
     g.add_argument('--patchmix', action='store_true', default=False, help='train with PatchMix and PatchMixLoss')
-    g.add_argument('--patchmix-grid', type=positive_int, nargs='+', default=None,
+    g.add_argument('--patchmix-grid', type=VALUE_TYPES['grid'], nargs='+', default=None,
                    help="P, or rows cols (default 4; a hf-hub:/local-dir: model's own grid)")
-    g.add_argument('--patchmix-alpha', type=positive_float, default=1.0)
-    g.add_argument('--patchmix-prob', type=probability, default=1.0)
+    g.add_argument('--patchmix-alpha', type=VALUE_TYPES['patchmix_alpha'], default=1.0)
+    g.add_argument('--patchmix-prob', type=VALUE_TYPES['patchmix_prob'], default=1.0)
     g.add_argument('--patchmix-mode', default='elem', choices=('elem', 'pair', 'batch'))
     g.add_argument('--patchmix-collate', action='store_true', default=False, help='mix at collate time')
-    g.add_argument('--patchmix-off-epoch', type=nonneg_int, default=0, help='0: never')
+    g.add_argument('--patchmix-off-epoch', type=VALUE_TYPES['patchmix_off_epoch'], default=0, help='0: never')
     g.add_argument('--no-patch-loss', action='store_true', default=False)
     g.add_argument('--no-image-loss', action='store_true', default=False)
-    g.add_argument('--patch-loss-weight', type=nonneg_float, default=1.0)
+    g.add_argument('--patch-loss-weight', type=VALUE_TYPES['patch_loss_weight'], default=1.0)
     g.add_argument('--per-position-head', action='store_true', default=False)
     g.add_argument('--patchmix-table', default='', type=optional_file,
                    help='mask table from search.py: train on guided samples')
-    g.add_argument('--guided-prob', type=probability, default=1 / 3, help='fraction of each batch that is guided')
-    g.add_argument('--random-prob', type=probability, default=1 / 3,
+    g.add_argument('--guided-prob', type=VALUE_TYPES['guided_prob'], default=1 / 3,
+                   help='fraction of each batch that is guided')
+    g.add_argument('--random-prob', type=VALUE_TYPES['random_prob'], default=1 / 3,
                    help='fraction of each batch mixed by random PatchMix when a table is given (the rest is clean)')
 
 
@@ -156,19 +157,19 @@ def _running_flags(g) -> None:
     g.add_argument('--dist-bn', default='reduce', choices=('', 'broadcast', 'reduce'),
                    help='with several processes, before each validation: average the BatchNorm running stats over '
                         'the processes (reduce), take rank 0\'s (broadcast), or leave each its own (\'\')')
-    g.add_argument('-j', '--workers', type=nonneg_int, default=None, help='0: load in the main process')
+    g.add_argument('-j', '--workers', type=VALUE_TYPES['workers'], default=None, help='0: load in the main process')
     g.add_argument('--pin-mem', action='store_true', default=False)
     g.add_argument('--no-prefetcher', action='store_true', default=False)
     g.add_argument('--device-data', action='store_true', default=False,
                    help='keep a small-image dataset (sides <= 64) whole on the device as uint8 and crop, flip, '
                         'normalise and mix its batches there, instead of streaming it through the data loader')
     g.add_argument('--device', default=None, help='default: cuda when available, else cpu')
-    g.add_argument('--seed', type=int, default=42)
+    g.add_argument('--seed', type=VALUE_TYPES['seed'], default=42)
     g.add_argument('--output', default='', type=optional_directory)
     g.add_argument('--experiment', default='')
-    g.add_argument('--log-interval', type=positive_int, default=50)
+    g.add_argument('--log-interval', type=VALUE_TYPES['log_interval'], default=50)
     g.add_argument('--eval-metric', default='top1', choices=('top1', 'top5', 'loss'))
-    g.add_argument('--fgsm', type=nonneg_float, nargs='+', default=None, metavar='EPS',
+    g.add_argument('--fgsm', type=VALUE_TYPES['fgsm'], nargs='+', default=None, metavar='EPS',
                    help='after training, FGSM top-1 on the validation set for each eps (pixels in [0, 1])')
     g.add_argument('--no-progress', action='store_true', default=False)
 
@@ -227,13 +228,10 @@ def main(argv: Optional[List[str]] = None, *, on_step: Optional[Callable[[StepEv
 
     A usage error exits 2 (argparse's message); a run that cannot start exits with an ``error: ...`` line
     (SystemExit); :class:`~timm_patchmix.settings.SettingsChangedError` and :class:`NonFiniteLossError` propagate
-    (:func:`cli` maps them). ``on_step`` is passed to :func:`timm_patchmix.engine.train`."""
+    (:func:`cli` maps them). ``on_step`` is passed to :func:`timm_patchmix.engine.train`. The logging configuration
+    is the caller's (:func:`cli`, the command line, prints INFO lines)."""
     try:
-        cfg = resolve_args(argv)
-        from timm.utils import world_info_from_env
-        rank = world_info_from_env()[1]
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format='%(message)s')
-        return train(cfg, on_step=on_step).as_dict()
+        return train(resolve_args(argv), on_step=on_step).as_dict()
     except ConfigError as e:
         build_parser().error(str(e))
     except TrainSetupError as e:
@@ -242,8 +240,13 @@ def main(argv: Optional[List[str]] = None, *, on_step: Optional[Callable[[StepEv
 
 def cli(argv: Optional[List[str]] = None) -> int:
     """``train.py``'s exit status: 0, 2 for a resume with changed settings, 1 for a non-finite loss (usage errors
-    and runs that cannot start exit through argparse or SystemExit)."""
+    and runs that cannot start exit through argparse or SystemExit). As a command line, it prints the run's INFO
+    lines (rank 0's; warnings only from the other ranks) unless logging is configured already."""
+    from timm.utils import world_info_from_env
+
     from .settings import USAGE_ERROR, SettingsChangedError
+    rank = world_info_from_env()[1]
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format='%(message)s')
     try:
         main(argv)
     except SettingsChangedError as e:  # a resume with other settings than its state's

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from ..cli_types import (bounds_of, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
+                         probability)
 from .errors import ConfigError, TrainSetupError
 
-__all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'DataConfig', 'TrainConfig',
-           'resolve', 'scaled_lr', 'normal_grid']
+__all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'VALUE_TYPES', 'SEQUENCES',
+           'PATHS', 'UNFLAGGED', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid']
 
 # Defaults of timm's train.py for the flags a recipe may change; a recipe fills only flags the user left unset.
 TIMM_DEFAULTS: Dict[str, Any] = dict(model='resnet50', epochs=300, batch_size=128, opt='sgd', lr=None, momentum=0.9,
@@ -39,6 +43,39 @@ CHOICES: Dict[str, Tuple[Any, ...]] = {
     'mixup_mode': ('batch', 'pair', 'elem', 'half'), 'patchmix_mode': ('elem', 'pair', 'batch'),
     'amp_dtype': ('float16', 'bfloat16'), 'eval_metric': ('top1', 'top5', 'loss'),
     'dist_bn': ('', 'broadcast', 'reduce')}
+# The range of every numeric setting: the argument type its flag parses each value with (timm_patchmix.cli_types),
+# whose bounds TrainConfig also checks a value given in Python against: one table for both (train.py's flags take
+# their types from it). An int setting takes an integer (not a bool, a float or a string), a float setting a finite
+# int or float; a setting whose default is None also takes None.
+VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
+    # dataset
+    'train_subset': positive_int, 'val_subset': positive_int, 'holdout': fraction, 'holdout_seed': nonneg_int,
+    'test_subset': positive_int,
+    # model
+    'num_classes': positive_int, 'in_chans': positive_int, 'img_size': positive_int, 'input_size': positive_int,
+    'drop': probability, 'drop_path': probability,
+    # optimizer and schedule
+    'batch_size': positive_int, 'validation_batch_size': positive_int, 'opt_eps': nonneg_float,
+    'opt_betas': fraction, 'momentum': nonneg_float, 'weight_decay': nonneg_float, 'clip_grad': nonneg_float,
+    'lr': positive_float, 'lr_base': positive_float, 'lr_base_size': positive_int, 'min_lr': nonneg_float,
+    'warmup_lr': nonneg_float, 'epochs': positive_int, 'warmup_epochs': nonneg_int, 'cooldown_epochs': nonneg_int,
+    'decay_epochs': positive_float, 'decay_rate': positive_float,
+    # mixing and loss
+    'mixup': nonneg_float, 'cutmix': nonneg_float, 'cutmix_minmax': probability, 'mixup_prob': probability,
+    'mixup_switch_prob': probability, 'mixup_off_epoch': nonneg_int, 'smoothing': fraction, 'grid': positive_int,
+    'patchmix_alpha': positive_float, 'patchmix_prob': probability, 'patchmix_off_epoch': nonneg_int,
+    'patch_loss_weight': nonneg_float, 'guided_prob': probability, 'random_prob': probability,
+    # running
+    'workers': nonneg_int, 'seed': int, 'log_interval': positive_int, 'fgsm': nonneg_float,
+}
+# settings that hold several values, each of its VALUE_TYPES: how many (as their flags' nargs: (min, max), None for
+# no maximum); ``grid`` (P or rows cols) is checked by normal_grid
+SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
+    'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None)}
+# settings that name a file or folder: a str or an os.PathLike (kept as its str)
+PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
+# settings no flag sets: the command line itself, and those resolved from the model (see resolve)
+UNFLAGGED = ('command', 'arch', 'patch_head', 'data_config')
 
 
 def _flag(name: str) -> str:
@@ -49,13 +86,38 @@ def normal_grid(grid) -> Optional[Tuple[int, int]]:
     """``None``, ``P``, ``[P]`` or ``(rows, cols)`` as ``None`` or ``(rows, cols)``."""
     if grid is None:
         return None
-    cells = [grid] if isinstance(grid, int) else list(grid)
+    if isinstance(grid, numbers.Integral) and not isinstance(grid, bool):
+        cells = [grid]
+    elif isinstance(grid, (str, bytes, Mapping)) or not _iterable(grid):
+        raise ConfigError(f'takes P or rows cols, integers >= 1, got {grid!r}', '--patchmix-grid')
+    else:
+        cells = list(grid)
     if len(cells) not in (1, 2):
         raise ConfigError(f'takes P or rows cols, got {len(cells)} values {" ".join(map(str, cells))}',
                           '--patchmix-grid')
-    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in cells):
+    if not all(positive_int.bounds.accepts(c) for c in cells):
         raise ConfigError(f'rows and cols must be integers >= 1, got {cells}', '--patchmix-grid')
+    cells = [int(c) for c in cells]
     return (cells[0], cells[0]) if len(cells) == 1 else (cells[0], cells[1])
+
+
+def _iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _builtin(value: Any) -> Any:
+    """A number as Python's own int or float (numpy's scalars are numbers too, but not YAML's)."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -184,28 +246,46 @@ class TrainConfig:
     data_config: Optional[DataConfig] = None
 
     def __post_init__(self):
-        # sequences become tuples, so that no part of a config can change after it is made
-        for name in ('input_size', 'opt_betas', 'cutmix_minmax', 'fgsm'):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(value))
-        object.__setattr__(self, 'grid', normal_grid(self.grid))
-        object.__setattr__(self, 'model_kwargs', dict(self.model_kwargs or {}))
+        self._normalise()
         self._check()
 
+    def _normalise(self) -> None:
+        """Sequences become tuples (so that no part of a config can change after it is made), numpy's numbers
+        Python's, paths str; the grid ``(rows, cols)``. A value that cannot be read so is a :class:`ConfigError`."""
+        for name in SEQUENCES:
+            value = getattr(self, name)
+            if name == 'grid' or value is None:
+                continue
+            if isinstance(value, (str, bytes, Mapping)) or not _iterable(value):
+                raise _value_error(name, value)
+            object.__setattr__(self, name, tuple(_builtin(v) for v in value))
+        for name in VALUE_TYPES:
+            if name not in SEQUENCES:
+                object.__setattr__(self, name, _builtin(getattr(self, name)))
+        for name in PATHS:
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+        try:
+            object.__setattr__(self, 'grid', normal_grid(self.grid))
+        except ConfigError as e:
+            raise ConfigError(f'{e.message} (TrainConfig.grid)', e.flag) from None
+        kwargs = self.model_kwargs
+        if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):
+            raise ConfigError(f'must be a dict of keyword arguments by name, got {kwargs!r} '
+                              f'(TrainConfig.model_kwargs)', '--model-kwargs')
+        object.__setattr__(self, 'model_kwargs', dict(kwargs or {}))
+
     def _check(self) -> None:
-        """Settings that contradict each other: usage errors (:class:`ConfigError`) first, then the combinations a
-        run cannot train (:class:`TrainSetupError`)."""
+        """Each value of its type and in its range (:data:`VALUE_TYPES`, the flags' own), each choice one of its
+        flag's, then the settings that contradict each other: usage errors (:class:`ConfigError`) first, then the
+        combinations a run cannot train (:class:`TrainSetupError`)."""
+        self._check_values()
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
-                raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))})',
-                                  _flag(name))
-        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or \
-                not 0.0 <= self.holdout < 1.0:
-            raise ConfigError(f'must be a fraction in [0, 1), got {self.holdout!r}', '--holdout')
-        if isinstance(self.holdout_seed, bool) or not isinstance(self.holdout_seed, int) or self.holdout_seed < 0:
-            raise ConfigError(f'must be an integer >= 0, got {self.holdout_seed!r}', '--holdout-seed')
+                raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))}) '
+                                  f'(TrainConfig.{name})', _flag(name))
         if self.test_subset is not None and not self.holdout:
             raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
                               'epoch is evaluated on --val-split, which --val-subset caps')
@@ -236,6 +316,32 @@ class TrainConfig:
         if self.patchmix and self.patchmix_collate and self.no_prefetcher:
             raise TrainSetupError('--patchmix-collate mixes uint8 batches in the collate step and needs the '
                                   'prefetcher; drop --no-prefetcher or --patchmix-collate')
+
+    def _check_values(self) -> None:
+        """Every setting of its kind: numbers in their flags' ranges (:data:`VALUE_TYPES`), sequences of their
+        lengths, switches real bools, names and paths strings; ``None`` only where it is the default."""
+        for f in dataclasses.fields(self):
+            name, value = f.name, getattr(self, f.name)
+            optional = f.default is None
+            if value is None and optional:
+                continue
+            if name in VALUE_TYPES:
+                bounds = bounds_of(VALUE_TYPES[name])
+                if name in SEQUENCES:
+                    lo, hi = SEQUENCES[name]
+                    if not (lo <= len(value) and (hi is None or len(value) <= hi)) or \
+                            not all(bounds.accepts(v) for v in value):
+                        raise _value_error(name, value)
+                elif not bounds.accepts(value):
+                    raise _value_error(name, value)
+            elif name in _BOOLS:
+                if not isinstance(value, bool):
+                    raise _value_error(name, value)
+            elif name in _STRINGS:
+                if not isinstance(value, str):
+                    raise _value_error(name, value)
+            elif name == 'data_config' and not isinstance(value, DataConfig):
+                raise _value_error(name, value)
 
     @property
     def mixup_active(self) -> bool:
@@ -268,6 +374,43 @@ class TrainConfig:
     def record(self) -> Dict[str, Any]:
         """The settings as plain data (tuples as lists), as ``args.yaml`` and the training state record them."""
         return _plain(dataclasses.asdict(self))
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# the switches and the strings (names, choices, paths), by their annotations
+_BOOLS = tuple(n for n, f in _FIELDS.items() if f.type in ('bool', 'Optional[bool]'))
+_STRINGS = tuple(n for n, f in _FIELDS.items() if f.type in ('str', 'Optional[str]'))
+
+
+def _expected(name: str) -> str:
+    """What a setting takes, in words: ``'an integer >= 1'``, ``'3 values, each an integer >= 1'``."""
+    if name in VALUE_TYPES:
+        want = bounds_of(VALUE_TYPES[name]).want
+        if name in SEQUENCES:
+            lo, hi = SEQUENCES[name]
+            count = f'{lo}' if lo == hi else ('one or more' if hi is None else f'{lo} to {hi}')
+            want = f'a sequence of {count} values, each {want}'
+            if _FIELDS[name].default is None:
+                return 'None or ' + want
+    elif name in _BOOLS:
+        want = 'True or False' if _FIELDS[name].default is not None else 'True, False'
+    elif name in PATHS:
+        want = 'a path (str or os.PathLike)'
+    elif name in _STRINGS:
+        want = 'a string'
+    elif name == 'data_config':
+        want = 'a DataConfig'
+    else:
+        want = 'a valid value'
+    return want + (' or None' if _FIELDS[name].default is None else '')
+
+
+def _value_error(name: str, value: Any) -> ConfigError:
+    """The error of a setting whose value is not of its kind or range: it names the flag, the field, what the
+    setting takes and the value given."""
+    if name in UNFLAGGED:
+        return ConfigError(f'TrainConfig.{name} must be {_expected(name)}, got {value!r}')
+    return ConfigError(f'must be {_expected(name)}, got {value!r} (TrainConfig.{name})', _flag(name))
 
 
 def _plain(v: Any) -> Any:

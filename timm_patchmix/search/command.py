@@ -131,10 +131,9 @@ def _distributed(cfg: SearchConfig) -> SearchConfig:
 
 def main(argv: Optional[List[str]] = None) -> MaskTable:
     """Run the search of these flags and return its table. A search that cannot run exits with its one-line
-    ``error:`` message (``SystemExit``); a resume with changed settings raises ``SettingsChangedError``."""
-    cfg = parse_config(argv)
-    logging.basicConfig(level=logging.INFO, format='%(message)s')
-    cfg = _distributed(cfg)
+    ``error:`` message (``SystemExit``); a resume with changed settings raises ``SettingsChangedError``. The logging
+    configuration is the caller's (:func:`cli`, the command line, prints INFO lines)."""
+    cfg = _distributed(parse_config(argv))
     try:
         result = search(cfg)
     except SearchUsageError as e:  # a --val-split the checkpoint cannot give: a usage error
@@ -152,7 +151,9 @@ def main(argv: Optional[List[str]] = None) -> MaskTable:
 
 
 def cli(argv: Optional[List[str]] = None) -> int:
-    """The command line's exit status: 0 done, 2 for changed settings on a resume (exits 2 or 1 on other errors)."""
+    """The command line's exit status: 0 done, 2 for changed settings on a resume (exits 2 or 1 on other errors).
+    As a command line, it prints INFO lines unless logging is configured already."""
+    logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
         main(argv)
     except SettingsChangedError as e:

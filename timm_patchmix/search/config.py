@@ -31,6 +31,16 @@ def _probability(name: str, value: Any) -> None:
         raise ValueError(f'{name} must be a probability in [0, 1], got {value!r}')
 
 
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f'{name} must be True or False, got {value!r}')
+
+
+def _optional_str(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f'{name} must be a string or None, got {value!r}')
+
+
 def _choice(name: str, value: Any, choices: Tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f'{name} must be one of {", ".join(map(repr, choices))}, got {value!r}')
@@ -129,6 +139,10 @@ class SearchConfig:
         _int('k', self.k, 1)
         _choice('score', self.score, SCORES)
         _int('eval_batch_size', self.eval_batch_size, 1)
+        for name in ('dataset', 'data_dir', 'val_split', 'device'):
+            _optional_str(name, getattr(self, name))
+        for name in ('same_class_pairs', 'amp', 'channels_last', 'resume', 'progress', 'plots'):
+            _bool(name, getattr(self, name))
         self.evolution()  # checks the fields it takes
 
     def evolution(self) -> Evolution:
