@@ -577,6 +577,8 @@ def test_a_backbone_weights_file_named_in_the_overlay_is_read_from_safetensors_o
     ('pretrained_cfg.std', [], 'pretrained_cfg.std must be a non-empty list of numbers, got []'),
     ('pretrained_cfg.input_size', [3, 32], 'pretrained_cfg.input_size must be [channels, height, width]'),
     ('pretrained_cfg.crop_pct', 'full', "pretrained_cfg.crop_pct must be a finite number >= 0.0, got 'full'"),
+    ('pretrained_cfg.interpolation', 'foo', "pretrained_cfg.interpolation must be one of nearest, bilinear, bicubic, "
+                                            "box, hamming, lanczos, got 'foo'"),
     ('pretrained_cfg.custom_load', True, 'pretrained_cfg.custom_load must be false'),
 ])
 def test_bad_config_fields_are_checkpoint_errors_naming_the_field(tmp_path, field, value, message):

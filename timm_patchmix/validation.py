@@ -179,21 +179,7 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
             f.str(data[key], f'data.{key}')
     if data.get('holdout') is not None:
         check_holdout_record(data['holdout'], f, 'data.holdout')
-    if data.get('input_size') is not None:
-        f.input_size(data['input_size'], 'data.input_size')
-    for key in ('mean', 'std'):
-        if data.get(key) is not None:
-            f.number_list(data[key], f'data.{key}')
-            if not data[key]:
-                f.fail(f'data.{key}', 'a non-empty list of numbers', data[key])
-    if data.get('std') and any(v <= 0 for v in data['std']):
-        f.fail('data.std', 'positive numbers', data['std'])
-    if data.get('crop_pct') is not None:
-        f.number(data['crop_pct'], 'data.crop_pct', lo=0.0, finite=True)
-        if data['crop_pct'] == 0:
-            f.fail('data.crop_pct', 'a number > 0', data['crop_pct'])
-    if data.get('interpolation') is not None and data['interpolation'] not in INTERPOLATIONS:
-        f.fail('data.interpolation', 'one of ' + ', '.join(INTERPOLATIONS), data['interpolation'])
+    check_data_fields(data, f, 'data')
     pm = meta.get('patchmix') or {}
     if pm.get('enabled') is not None:
         f.bool(pm['enabled'], 'patchmix.enabled')
@@ -237,6 +223,28 @@ def _names(f: Fields, value: Any, field: str) -> None:
         f.fail(field, 'a module name or a non-empty list of module names', value)
 
 
+def check_data_fields(d: Dict[str, Any], f: Fields, field: str) -> None:
+    """The input and resize fields a checkpoint's ``data`` record and a ``config.json``'s ``pretrained_cfg`` share,
+    each checked when present and not null: ``input_size``, ``mean``/``std`` (non-empty lists of finite numbers,
+    ``std`` positive), ``crop_pct`` (> 0) and ``interpolation`` (a resize mode of timm's transforms)."""
+    if d.get('input_size') is not None:
+        f.input_size(d['input_size'], f'{field}.input_size')
+    for key in ('mean', 'std'):
+        if d.get(key) is not None:
+            value = d[key]
+            if not isinstance(value, list) or not value:
+                f.fail(f'{field}.{key}', 'a non-empty list of numbers', value)
+            f.number_list(value, f'{field}.{key}')
+    if d.get('std') is not None and any(v <= 0 for v in d['std']):
+        f.fail(f'{field}.std', 'positive numbers', d['std'])
+    if d.get('crop_pct') is not None:
+        f.number(d['crop_pct'], f'{field}.crop_pct', lo=0.0, finite=True)
+        if d['crop_pct'] == 0:
+            f.fail(f'{field}.crop_pct', 'a number > 0', d['crop_pct'])
+    if d.get('interpolation') is not None and d['interpolation'] not in INTERPOLATIONS:
+        f.fail(f'{field}.interpolation', 'one of ' + ', '.join(INTERPOLATIONS), d['interpolation'])
+
+
 def check_pretrained_cfg(pcfg: Any, f: Fields, field: str = 'pretrained_cfg') -> Dict[str, Any]:
     """The ``pretrained_cfg`` of a ``config.json``: the fields timm and this package read, each checked when present
     and not null (the weights' class count, classifier heads, input size, normalisation, resize)."""
@@ -246,24 +254,12 @@ def check_pretrained_cfg(pcfg: Any, f: Fields, field: str = 'pretrained_cfg') ->
     for key in ('classifier', 'first_conv'):
         if pcfg.get(key) is not None:
             _names(f, pcfg[key], f'{field}.{key}')
-    for key in ('input_size', 'test_input_size', 'min_input_size'):
+    for key in ('test_input_size', 'min_input_size'):
         if pcfg.get(key) is not None:
             f.input_size(pcfg[key], f'{field}.{key}')
-    for key in ('mean', 'std'):
-        if pcfg.get(key) is not None:
-            value = pcfg[key]
-            if not isinstance(value, list) or not value:
-                f.fail(f'{field}.{key}', 'a non-empty list of numbers', value)
-            f.number_list(value, f'{field}.{key}')
-    if pcfg.get('std') is not None and any(v <= 0 for v in pcfg['std']):
-        f.fail(f'{field}.std', 'positive numbers', pcfg['std'])
-    if pcfg.get('crop_pct') is not None:
-        f.number(pcfg['crop_pct'], f'{field}.crop_pct', lo=0.0, finite=True)
-        if pcfg['crop_pct'] == 0:
-            f.fail(f'{field}.crop_pct', 'a number > 0', pcfg['crop_pct'])
-    for key in ('interpolation', 'crop_mode'):
-        if pcfg.get(key) is not None:
-            f.str(pcfg[key], f'{field}.{key}', nonempty=True)
+    check_data_fields(pcfg, f, field)
+    if pcfg.get('crop_mode') is not None:
+        f.str(pcfg['crop_mode'], f'{field}.crop_mode', nonempty=True)
     if pcfg.get('label_offset') is not None:
         f.int(pcfg['label_offset'], f'{field}.label_offset', lo=0)
     if pcfg.get('fixed_input_size') is not None:
