@@ -4,6 +4,7 @@ and the value given), before anything is written; the command line and the confi
 (one table, ``engine.config.VALUE_TYPES``); ``SearchConfig`` takes real bools; a negative subset is refused; and
 ``main(argv)`` leaves the caller's logging configuration alone while the command lines still print INFO lines."""
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from timm_patchmix.engine import ConfigError, TrainConfig, TrainSetupError
 from timm_patchmix.engine.config import PATHS, RECIPES, SEQUENCES, UNFLAGGED, VALUE_TYPES, DataConfig
 from timm_patchmix.search import SearchConfig
 from timm_patchmix.search import command as search_command
+from timm_patchmix.search.config import VALUE_TYPES as SEARCH_VALUE_TYPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))
@@ -351,6 +353,72 @@ def test_search_config_takes_real_bools(name, value):
 def test_search_config_names_are_strings(name):
     with pytest.raises(ValueError, match=rf'^{name} must be a string or None, got 5$'):
         SearchConfig(checkpoint='ft.safetensors', **{name: 5})
+
+
+def _search_actions():
+    return {a.dest: a for a in search_command.build_parser()._actions if a.option_strings}
+
+
+def test_search_numeric_flags_take_their_types_from_the_table():
+    actions = _search_actions()
+    numeric = {dest for dest, a in actions.items() if bounds_of(a.type) is not None} - {'grid'}
+    assert numeric == set(SEARCH_VALUE_TYPES)
+    for name in numeric:
+        assert actions[name].type is SEARCH_VALUE_TYPES[name], name
+        assert '--' + name.replace('_', '-') in actions[name].option_strings
+
+
+def _search_texts(name):
+    b = bounds_of(SEARCH_VALUE_TYPES[name])
+    vals = {'-1', '0', '1', '1.5', '0.5', 'nan', 'inf', '2', '3'}
+    for edge in (b.lo, b.hi):
+        if edge is not None:
+            for d in ((-1, 0, 1) if b.kind == 'int' else (-0.5, -0.001, 0, 0.001, 0.5)):
+                vals.add(repr(edge + d) if b.kind != 'int' else str(int(edge) + d))
+    return sorted(vals)
+
+
+@pytest.mark.parametrize('name', sorted(SEARCH_VALUE_TYPES))
+def test_search_cli_and_config_agree_on_bounds(name, capsys):
+    """As for train.py: search.py's flag takes a value (as text) exactly when SearchConfig takes it (as a number),
+    and both keep the same value of Python's own type."""
+    for text in _search_texts(name):
+        value = _py(text)
+        try:
+            cli = search_command.parse_config(['--checkpoint', __file__, '--' + name.replace('_', '-'), text])
+        except SystemExit as e:
+            assert e.code == 2
+            capsys.readouterr()
+            cli = None
+        try:
+            cfg = SearchConfig(checkpoint=__file__, **{name: value})
+        except ValueError as e:
+            assert str(e).startswith(f'{name} must be {bounds_of(SEARCH_VALUE_TYPES[name]).want}'), str(e)
+            cfg = None
+        took = f'command line {cli is not None}, config {cfg is not None}'
+        assert (cli is None) == (cfg is None), f'--{name} {text}: {took}'
+        if cli is not None:
+            assert getattr(cli, name) == getattr(cfg, name) and type(getattr(cli, name)) is type(getattr(cfg, name))
+
+
+KEPT = [('population', np.int64(8), 8), ('k', np.int32(3), 3), ('cxpb', np.float32(0.25), 0.25), ('mutpb', 1, 1.0),
+        ('n_active', np.int16(2), 2)]
+
+
+@pytest.mark.parametrize('name, value, want', KEPT)
+def test_search_config_keeps_python_numbers(name, value, want):
+    cfg = SearchConfig(checkpoint='ft.safetensors', **{name: value})
+    got = getattr(cfg, name)
+    assert got == want and type(got) is type(want)
+    assert type(getattr(cfg.evolution(), name, want)) is type(want)
+    json.dumps(cfg.record())  # numpy scalars would not go into the table's JSON
+
+
+@pytest.mark.parametrize('name, value', [('population', 3.0), ('k', '4'), ('cxpb', float('nan')), ('seed', True),
+                                         ('n_active', 0), ('val_subset', -5), ('hof', np.float64(2.0))])
+def test_search_config_refuses(name, value):
+    with pytest.raises(ValueError, match=rf'^{name} must be '):
+        SearchConfig(checkpoint='ft.safetensors', **{name: value})
 
 
 def test_search_config_defaults_construct():

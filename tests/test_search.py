@@ -205,7 +205,7 @@ def test_search_config_is_frozen_and_checked(ckpt):
         cfg.population = 3
     assert cfg.replace(population=3).population == 3 and cfg.population == 500
     for bad, message in [({'population': 1}, 'population must be an integer >= 2'),
-                         ({'cxpb': 1.5}, r'cxpb must be a probability in \[0, 1\]'),
+                         ({'cxpb': 1.5}, r'cxpb must be a finite number in \[0, 1\]'),
                          ({'fitness': 'best'}, "fitness must be one of 'min', 'max'"),
                          ({'score': 'f1'}, "score must be one of 'accuracy', 'loss'"),
                          ({'k': 0}, 'k must be an integer >= 1'), ({'grid': (4, 0)}, 'grid must be at least 1x1'),

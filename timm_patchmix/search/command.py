@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointError
-from ..cli_types import (directory, existing_file, int_range, nonneg_int, optional_directory, positive_int,
-                         probability)
+from ..cli_types import directory, existing_file, optional_directory, positive_int
 from ..grid import grid_from_flag
 from ..settings import USAGE_ERROR, SettingsChangedError
 from ..table import MaskTable
-from .config import SCORES, SearchConfig
+from .config import FITNESS, SCORES, VALUE_TYPES, SearchConfig
 from .inputs import SearchError, SearchUsageError
 from .run import search
 
@@ -58,33 +57,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the genes are scored on: 'holdout' (the held-out images of the checkpoint's training "
                         "split, the default when it was trained with --holdout; never its test split) or a split "
                         "name (default without a holdout: the checkpoint's validation split)")
-    d.add_argument('--val-subset', type=positive_int, default=None,
+    d.add_argument('--val-subset', type=VALUE_TYPES['val_subset'], default=None,
                    help='score on a fixed random subset of this many images (default: the whole split)')
     d.add_argument('--grid', type=positive_int, nargs='+', default=None, metavar='N',
                    help="P or rows cols; must match the model's grid (default: the model's)")
-    d.add_argument('--num-classes', type=positive_int, default=None,
+    d.add_argument('--num-classes', type=VALUE_TYPES['num_classes'], default=None,
                    help="must match the dataset's number of classes (default: the dataset's)")
     g = p.add_argument_group('evolution (the paper\'s Algorithm 2)')
-    g.add_argument('--population', type=int_range(2, name='population'), default=500, help='individuals')
-    g.add_argument('--generations', type=nonneg_int, default=250, help='generations after the initial population')
-    g.add_argument('--n-active', type=positive_int, default=None,
+    g.add_argument('--population', type=VALUE_TYPES['population'], default=500, help='individuals')
+    g.add_argument('--generations', type=VALUE_TYPES['generations'], default=250,
+                   help='generations after the initial population')
+    g.add_argument('--n-active', type=VALUE_TYPES['n_active'], default=None,
                    help='N, the most active pairs of an individual (default: the number of classes)')
-    g.add_argument('--k', type=positive_int, default=16, help='fixed validation image pairs per class pair')
-    g.add_argument('--cxpb', type=probability, default=0.5, help='crossover probability')
-    g.add_argument('--mutpb', type=probability, default=0.3, help='mutation probability')
-    g.add_argument('--tournsize', type=positive_int, default=3, help='tournament size of the selection')
-    g.add_argument('--hof', type=positive_int, default=10, help='hall-of-fame size')
-    g.add_argument('--patience', type=nonneg_int, default=50,
+    g.add_argument('--k', type=VALUE_TYPES['k'], default=16, help='fixed validation image pairs per class pair')
+    g.add_argument('--cxpb', type=VALUE_TYPES['cxpb'], default=0.5, help='crossover probability')
+    g.add_argument('--mutpb', type=VALUE_TYPES['mutpb'], default=0.3, help='mutation probability')
+    g.add_argument('--tournsize', type=VALUE_TYPES['tournsize'], default=3, help='tournament size of the selection')
+    g.add_argument('--hof', type=VALUE_TYPES['hof'], default=10, help='hall-of-fame size')
+    g.add_argument('--patience', type=VALUE_TYPES['patience'], default=50,
                    help='stop after this many generations without a better best (0: never)')
-    g.add_argument('--fitness', choices=('min', 'max'), default='min',
+    g.add_argument('--fitness', choices=FITNESS, default='min',
                    help="'min' selects the hardest samples (the paper), 'max' the easiest")
     g.add_argument('--score', choices=SCORES, default='accuracy',
                    help='per-gene score: patch accuracy of f_T (the paper) or patch cross-entropy')
     g.add_argument('--same-class-pairs', action='store_true', default=False,
                    help='also search masks for (c, c) pairs, always active')
-    g.add_argument('--seed', type=nonneg_int, default=0, help='seed of the image pairs and of the evolution')
+    g.add_argument('--seed', type=VALUE_TYPES['seed'], default=0, help='seed of the image pairs and of the evolution')
     r = p.add_argument_group('running')
-    r.add_argument('--eval-batch-size', type=positive_int, default=512, help='images per forward pass of f_T')
+    r.add_argument('--eval-batch-size', type=VALUE_TYPES['eval_batch_size'], default=512,
+                   help='images per forward pass of f_T')
     r.add_argument('--device', default=None, help='device of f_T (default: cuda when available, else cpu)')
     r.add_argument('--amp', action='store_true', default=False, help='score in mixed precision (CUDA)')
     r.add_argument('--channels-last', action='store_true', default=False, help='channels-last memory format')

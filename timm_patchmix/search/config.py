@@ -8,27 +8,40 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..cli_types import bounds_of, int_range, nonneg_int, positive_int, probability
 from ..grid import GridSpec, to_grid
 from ..table import MaskTable
 
-__all__ = ['Evolution', 'SearchConfig', 'SearchResult']
+__all__ = ['Evolution', 'SearchConfig', 'SearchResult', 'VALUE_TYPES']
 
 FITNESS = ('min', 'max')
 SCORES = ('accuracy', 'loss')
 
 
-def _int(name: str, value: Any, lo: int, optional: bool = False) -> None:
+# The range of every numeric setting: the argument type its flag parses each value with (timm_patchmix.cli_types),
+# whose bounds the configs also check a value given in Python against: one table for both (search.py's flags take
+# their types from it). An int setting takes an integer (not a bool, a float or a string; numpy's integers count),
+# a float setting a finite int or float; a setting whose default is None also takes None.
+VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
+    'val_subset': positive_int, 'num_classes': positive_int, 'population': int_range(2, name='population'),
+    'generations': nonneg_int, 'n_active': positive_int, 'k': positive_int, 'cxpb': probability,
+    'mutpb': probability, 'tournsize': positive_int, 'hof': positive_int, 'patience': nonneg_int,
+    'eval_batch_size': positive_int, 'seed': nonneg_int,
+}
+
+
+def _number(obj: Any, name: str, optional: bool = False) -> None:
+    """Checks field ``name`` of the frozen dataclass ``obj`` against :data:`VALUE_TYPES` and keeps it as Python's
+    own int or float (a numpy scalar would not go into the JSON record)."""
+    value = getattr(obj, name)
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f'{name} must be an integer >= {lo}{" or None" if optional else ""}, got {value!r}')
-
-
-def _probability(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value <= 1.0):
-        raise ValueError(f'{name} must be a probability in [0, 1], got {value!r}')
+    bounds = bounds_of(VALUE_TYPES[name])
+    if not bounds.accepts(value):
+        raise ValueError(f'{name} must be {bounds.want}{" or None" if optional else ""}, got {value!r}')
+    object.__setattr__(obj, name, int(value) if bounds.kind == 'int' else float(value))
 
 
 def _bool(name: str, value: Any) -> None:
@@ -73,16 +86,10 @@ class Evolution:
     seed: int = 0
 
     def __post_init__(self):
-        _int('population', self.population, 2)
-        _int('generations', self.generations, 0)
-        _int('n_active', self.n_active, 1, optional=True)
-        _probability('cxpb', self.cxpb)
-        _probability('mutpb', self.mutpb)
-        _int('tournsize', self.tournsize, 1)
-        _int('hof', self.hof, 1)
-        _int('patience', self.patience, 0)
+        for name in ('population', 'generations', 'cxpb', 'mutpb', 'tournsize', 'hof', 'patience', 'seed'):
+            _number(self, name)
+        _number(self, 'n_active', optional=True)
         _choice('fitness', self.fitness, FITNESS)
-        _int('seed', self.seed, 0)
 
 
 _E = Evolution()
@@ -134,16 +141,18 @@ class SearchConfig:
             raise ValueError(f'output must be a folder path, got {self.output!r}')
         if self.grid is not None:
             object.__setattr__(self, 'grid', to_grid(self.grid, 'grid'))
-        _int('val_subset', self.val_subset, 1, optional=True)
-        _int('num_classes', self.num_classes, 1, optional=True)
-        _int('k', self.k, 1)
+        for name in ('val_subset', 'num_classes'):
+            _number(self, name, optional=True)
+        for name in ('k', 'eval_batch_size'):
+            _number(self, name)
         _choice('score', self.score, SCORES)
-        _int('eval_batch_size', self.eval_batch_size, 1)
         for name in ('dataset', 'data_dir', 'val_split', 'device'):
             _optional_str(name, getattr(self, name))
         for name in ('same_class_pairs', 'amp', 'channels_last', 'resume', 'progress', 'plots'):
             _bool(name, getattr(self, name))
-        self.evolution()  # checks the fields it takes
+        evolution = self.evolution()  # checks the fields it takes
+        for f in dataclasses.fields(Evolution):  # kept as the checked Python numbers
+            object.__setattr__(self, f.name, getattr(evolution, f.name))
 
     def evolution(self) -> Evolution:
         """The settings of the core loop."""
