@@ -87,6 +87,11 @@ def resume_train(root, name, flags, epochs=2):
     ('pm', '--patchmix', [], [('--patchmix', 'True', 'False')]),
     ('mixup', None, ['--mixup', '0.5', '--cutmix', '1.0'], [('--mixup', '0.2', '0.5'), ('--cutmix', '0.0', '1.0')]),
     ('mixup', None, ['--mixup-mode', 'pair'], [('--mixup-mode', "'batch'", "'pair'")]),
+    # what the optimizer's saved state brings back, whatever the flags say
+    ('mixup', None, ['--weight-decay', '0.05'], [('--weight-decay', '0.0005', '0.05')]),
+    ('mixup', None, ['--opt', 'adamw'], [('--opt', "'sgd'", "'adamw'")]),
+    ('mixup', None, ['--momentum', '0.5'], [('--momentum', '0.9', '0.5')]),
+    ('mixup', None, ['--opt-eps', '1e-6'], [('--opt-eps', 'None', '1e-06')]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained
@@ -95,6 +100,31 @@ def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect)
     msg = refused(lambda: resume_train(root, run, flags + change), *expect)
     assert msg.startswith(f'cannot resume from {root / run / "state.safetensors"}')
     assert snapshot(root) == before
+
+
+def test_train_resume_of_an_older_state_compares_its_args(trained, tmp_path):
+    """A state written before the optimizer's settings were in its settings record: they are taken from its args,
+    so a changed --weight-decay is still named rather than silently undone by the optimizer's saved state."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    root, runs = trained
+    old_root = tmp_path / 'old'
+    shutil.copytree(root / 'mixup', old_root / 'mixup')
+    path = str(old_root / 'mixup' / 'state.safetensors')
+    with safe_open(path, framework='pt') as f:
+        md = f.metadata()
+    meta = json.loads(md['timm_patchmix'])
+    for flag in ('--opt', '--weight-decay', '--momentum', '--opt-eps', '--opt-betas'):
+        del meta['settings'][flag]
+    assert meta['args']['weight_decay'] == 0.0005
+    save_file(load_file(path), path, metadata=dict(md, timm_patchmix=json.dumps(meta)))
+    before = snapshot(old_root)
+    refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--weight-decay', '0.05']),
+            ('--weight-decay', '0.0005', '0.05'))
+    assert snapshot(old_root) == before
+    res = resume_train(old_root, 'mixup', runs['mixup'])  # its own settings still resume
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
 
 
 def test_train_resume_compares_the_table_by_content(trained, tmp_path):

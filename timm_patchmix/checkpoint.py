@@ -166,6 +166,21 @@ def save_weights(path: str, state_dict: Dict[str, torch.Tensor], meta: Optional[
     _atomic(path, lambda tmp: save_file(_contiguous(state_dict), tmp, metadata=md))
 
 
+def _pickle_kind(path: str) -> Optional[str]:
+    """What a file that is not safetensors looks like from its first bytes, without unpickling it: a
+    ``torch.save`` zip archive or a raw pickle (timm's ``.pth``/``.pth.tar``); ``None`` for anything else."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(4)
+    except OSError:
+        return None
+    if head == b'PK\x03\x04':
+        return 'a PyTorch checkpoint (a torch.save zip archive, like timm\'s .pth/.pth.tar)'
+    if head[:1] == b'\x80' and head[1:2] in (b'\x02', b'\x03', b'\x04', b'\x05'):
+        return 'a pickle (a legacy torch.save file, like timm\'s .pth/.pth.tar)'
+    return None
+
+
 def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     if not os.path.isfile(path):
         raise CheckpointError(f'checkpoint {path} does not exist')
@@ -175,6 +190,11 @@ def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
             md = f.metadata() or {}
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        kind = _pickle_kind(path)
+        if kind:
+            raise CheckpointError(f'{path} is {kind}, not a safetensors file; timm_patchmix reads only '
+                                  f'safetensors (unpickling a file can run code). If you trust the file, load it '
+                                  f'with torch.load and save its state dict with safetensors.torch.save_file') from None
         raise CheckpointError(f'{path} is not a readable safetensors file (truncated or corrupt?): {e}') from None
     try:
         meta = json.loads(md.get(_META_KEY, '{}'))
@@ -331,8 +351,11 @@ def load_state(path: str) -> Dict[str, Any]:
     None), ``rng`` (tensors, meta) for :func:`set_rng_state`, ``extra`` tensors and ``meta``."""
     tensors, meta = _read(path)
     if meta.get('kind') != 'train_state':
+        beside = os.path.join(os.path.dirname(path), 'state.safetensors')
+        hint = f'resume from {beside}, the training state train.py writes beside it, or ' \
+            if os.path.isfile(beside) and os.path.abspath(beside) != os.path.abspath(path) else ''
         raise CheckpointError(f'{path} holds model weights only, not a training state to resume from; '
-                              f'use --initial-checkpoint to start from these weights')
+                              f'{hint}use --initial-checkpoint to start from these weights')
     _check_train_meta(path, meta)
     try:
         model = {k[len('model.'):]: v for k, v in tensors.items() if k.startswith('model.')}

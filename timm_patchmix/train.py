@@ -106,16 +106,23 @@ def _optimizer_flags(g) -> None:
     g.add_argument('--sched', default=None, choices=SCHEDULERS)
     g.add_argument('--sched-on-updates', action='store_true', default=False)
     g.add_argument('--lr', type=VALUE_TYPES['lr'], default=None)
-    g.add_argument('--lr-base', type=VALUE_TYPES['lr_base'], default=0.1)
-    g.add_argument('--lr-base-size', type=VALUE_TYPES['lr_base_size'], default=256)
-    g.add_argument('--lr-base-scale', default='', choices=('', 'linear', 'sqrt'))
+    g.add_argument('--lr-base', type=VALUE_TYPES['lr_base'], default=None,
+                   help="without --lr: the lr is this times the global batch over --lr-base-size (timm's rule; "
+                        "default 0.1). Given, it wins over a recipe's lr")
+    g.add_argument('--lr-base-size', type=VALUE_TYPES['lr_base_size'], default=None, help='default 256')
+    g.add_argument('--lr-base-scale', default=None, choices=('', 'linear', 'sqrt'),
+                   help='default: sqrt for Ada*/LAMB optimizers, else linear')
     g.add_argument('--min-lr', type=VALUE_TYPES['min_lr'], default=None)
     g.add_argument('--warmup-lr', type=VALUE_TYPES['warmup_lr'], default=None)
     g.add_argument('--epochs', type=VALUE_TYPES['epochs'], default=None)
     g.add_argument('--warmup-epochs', type=VALUE_TYPES['warmup_epochs'], default=None)
     g.add_argument('--cooldown-epochs', type=VALUE_TYPES['cooldown_epochs'], default=0)
     g.add_argument('--decay-epochs', type=VALUE_TYPES['decay_epochs'], default=90)
-    g.add_argument('--decay-rate', type=VALUE_TYPES['decay_rate'], default=0.1)
+    g.add_argument('--decay-milestones', type=VALUE_TYPES['decay_milestones'], nargs='+', default=(90, 180, 270),
+                   metavar='EPOCH', help='the epochs at which --sched multistep decays the lr')
+    g.add_argument('--decay-rate', '--dr', type=VALUE_TYPES['decay_rate'], default=0.1)
+    g.add_argument('--patience-epochs', type=VALUE_TYPES['patience_epochs'], default=10,
+                   help='--sched plateau: epochs without a better --eval-metric before the lr decays')
     g.add_argument('--recipe', choices=sorted(RECIPES), default=None,
                    help="defaults for unset flags: 'demo' (the default with the embedded data), 'timm' (timm's "
                         "train.py defaults, the default otherwise) or 'paper-cifar'")

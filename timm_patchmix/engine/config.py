@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ..cli_types import (bounds_of, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                          probability)
-from .errors import ConfigError, TrainSetupError
+from .errors import ConfigError
 
 __all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'VALUE_TYPES', 'SEQUENCES',
            'PATHS', 'UNFLAGGED', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid']
@@ -24,7 +24,9 @@ __all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID
 # Defaults of timm's train.py for the flags a recipe may change; a recipe fills only flags the user left unset.
 TIMM_DEFAULTS: Dict[str, Any] = dict(model='resnet50', epochs=300, batch_size=128, opt='sgd', lr=None, momentum=0.9,
                                      weight_decay=2e-5, sched='cosine', warmup_epochs=5, warmup_lr=1e-5, min_lr=0.0,
-                                     smoothing=0.1, workers=4)
+                                     smoothing=0.1, workers=4, lr_base=0.1, lr_base_size=256, lr_base_scale='')
+# timm's rule for the learning rate when --lr is not given: any of these given, a recipe's lr is left out for it
+LR_RULE = ('lr_base', 'lr_base_size', 'lr_base_scale')
 RECIPES: Dict[str, Dict[str, Any]] = {
     'timm': {},
     # the embedded data at 32x32: a few minutes on two CPU cores
@@ -59,7 +61,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'opt_betas': fraction, 'momentum': nonneg_float, 'weight_decay': nonneg_float, 'clip_grad': nonneg_float,
     'lr': positive_float, 'lr_base': positive_float, 'lr_base_size': positive_int, 'min_lr': nonneg_float,
     'warmup_lr': nonneg_float, 'epochs': positive_int, 'warmup_epochs': nonneg_int, 'cooldown_epochs': nonneg_int,
-    'decay_epochs': positive_float, 'decay_rate': positive_float,
+    'decay_epochs': positive_float, 'decay_rate': positive_float, 'decay_milestones': positive_int,
+    'patience_epochs': nonneg_int,
     # mixing and loss
     'mixup': nonneg_float, 'cutmix': nonneg_float, 'cutmix_minmax': probability, 'mixup_prob': probability,
     'mixup_switch_prob': probability, 'mixup_off_epoch': nonneg_int, 'smoothing': fraction, 'grid': positive_int,
@@ -71,7 +74,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
 # settings that hold several values, each of its VALUE_TYPES: how many (as their flags' nargs: (min, max), None for
 # no maximum); ``grid`` (P or rows cols) is checked by normal_grid
 SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
-    'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None)}
+    'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None),
+    'decay_milestones': (1, None)}
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
 PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
 # settings no flag sets: the command line itself, and those resolved from the model (see resolve)
@@ -144,7 +148,9 @@ class TrainConfig:
     """The settings of one training run, named as ``train.py``'s flags (``grid`` is ``--patchmix-grid``).
 
     ``None`` means "the recipe's value" (:meth:`with_recipe`) or "resolved from the model" (``lr``, ``grid``,
-    ``num_classes``, ``arch``, ``patch_head``, ``data_config``; see :func:`resolve`)."""
+    ``num_classes``, ``arch``, ``patch_head``, ``data_config``; see :func:`resolve`). ``lr`` left ``None`` with
+    ``lr_base``, ``lr_base_size`` or ``lr_base_scale`` given is timm's rule (:func:`scaled_lr`), whatever the
+    recipe's ``lr``."""
     # dataset
     dataset: str = ''
     data_dir: str = ''
@@ -188,16 +194,18 @@ class TrainConfig:
     sched: Optional[str] = None
     sched_on_updates: bool = False
     lr: Optional[float] = None
-    lr_base: float = 0.1
-    lr_base_size: int = 256
-    lr_base_scale: str = ''
+    lr_base: Optional[float] = None
+    lr_base_size: Optional[int] = None
+    lr_base_scale: Optional[str] = None
     min_lr: Optional[float] = None
     warmup_lr: Optional[float] = None
     epochs: Optional[int] = None
     warmup_epochs: Optional[int] = None
     cooldown_epochs: int = 0
     decay_epochs: float = 90
+    decay_milestones: Tuple[int, ...] = (90, 180, 270)
     decay_rate: float = 0.1
+    patience_epochs: int = 10
     recipe: Optional[str] = None
     # mixing and loss
     mixup: float = 0.0
@@ -278,8 +286,8 @@ class TrainConfig:
 
     def _check(self) -> None:
         """Each value of its type and in its range (:data:`VALUE_TYPES`, the flags' own), each choice one of its
-        flag's, then the settings that contradict each other: usage errors (:class:`ConfigError`) first, then the
-        combinations a run cannot train (:class:`TrainSetupError`)."""
+        flag's, then the settings that contradict each other: each a usage error (:class:`ConfigError`, exit
+        status 2 on the command line)."""
         self._check_values()
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
@@ -306,16 +314,24 @@ class TrainConfig:
                               f'fractions of one batch and add up to {self.guided_prob + self.random_prob:g}; their '
                               f'sum must be at most 1')
         if self.patchmix_table and not self.patchmix:
-            raise TrainSetupError('--patchmix-table trains on guided PatchMix samples; add --patchmix')
+            raise ConfigError('--patchmix-table trains on guided PatchMix samples; add --patchmix')
         if self.patchmix and self.mixup_active:
-            raise TrainSetupError('--patchmix and --mixup/--cutmix are alternatives; choose one')
+            raise ConfigError('--patchmix and --mixup/--cutmix are alternatives; choose one')
+        if self.patchmix and self.mixup_off_epoch:
+            raise ConfigError(f'it stops --mixup/--cutmix; PatchMix stops at --patchmix-off-epoch '
+                              f'(give --patchmix-off-epoch {self.mixup_off_epoch} instead)', '--mixup-off-epoch')
+        if self.mixup_active and self.mixup_mode == 'half' and (self.device_data or self.no_prefetcher):
+            raise ConfigError(f'half is a mode of the loader\'s collate mixer (timm\'s '
+                              f'FastCollateMixup), which {"--device-data" if self.device_data else "--no-prefetcher"} '
+                              f'replaces with timm\'s Mixup; that one has no half mode and would mix the whole batch '
+                              f'in batch mode. Choose elem, pair or batch', '--mixup-mode')
         if self.device_data and self.patchmix_collate:
-            raise TrainSetupError('--device-data makes batches on the device, where PatchMix mixes them too; '
-                                  '--patchmix-collate mixes in the data loader, which --device-data replaces. '
-                                  'Drop one of them')
+            raise ConfigError('--device-data makes batches on the device, where PatchMix mixes them too; '
+                              '--patchmix-collate mixes in the data loader, which --device-data replaces. '
+                              'Drop one of them')
         if self.patchmix and self.patchmix_collate and self.no_prefetcher:
-            raise TrainSetupError('--patchmix-collate mixes uint8 batches in the collate step and needs the '
-                                  'prefetcher; drop --no-prefetcher or --patchmix-collate')
+            raise ConfigError('--patchmix-collate mixes uint8 batches in the collate step and needs the '
+                              'prefetcher; drop --no-prefetcher or --patchmix-collate')
 
     def _check_values(self) -> None:
         """Every setting of its kind: numbers in their flags' ranges (:data:`VALUE_TYPES`), sequences of their
@@ -362,8 +378,9 @@ class TrainConfig:
         its ``patchhead_`` model. A config that has them already comes back unchanged."""
         recipe = self.recipe or ('demo' if self.dataset in ('', 'patchshapes') and not self.data_dir else 'timm')
         changes: Dict[str, Any] = {'recipe': recipe}
+        lr_rule = any(getattr(self, name) is not None for name in LR_RULE)
         for name, value in dict(TIMM_DEFAULTS, **RECIPES[recipe]).items():
-            if getattr(self, name) is None:
+            if getattr(self, name) is None and not (name == 'lr' and lr_rule):  # --lr-base... given: timm's rule
                 changes[name] = value
         model = changes.get('model', self.model)
         if self.patchmix and self.model is None and not model.startswith('patchhead_') and not self.no_patch_loss:

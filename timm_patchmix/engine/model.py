@@ -81,6 +81,11 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
         if usage is not None:
             raise usage from None
         raise
+    except (OSError, RuntimeError) as e:  # no weights for the model (timm's RuntimeError), no file or no network
+        if not cfg.pretrained or (isinstance(e, RuntimeError) and 'pretrained' not in str(e).lower()):
+            raise
+        raise TrainSetupError(f'--model {cfg.model} --pretrained: its pretrained weights cannot be loaded: '
+                              f'{type(e).__name__}: {e}'.rstrip()) from None
     if cfg.model.startswith(SOURCES):  # the config's model_args, as the factory applied them
         kwargs = {k: v for k, v in (getattr(model, '_model_args', None) or {}).items()
                   if k not in ('num_classes', 'pretrained_model_args')}

@@ -18,9 +18,12 @@ __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'resume_settings', 'csv_text', 'weight
            'scheduler_state', 'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
-# size, --model-kwargs), the grid, how batches are mixed and scored, and which parameters train (the schedule,
-# --epochs, --lr..., may change on a resume; --model and the class count come from the state's args)
-RESUME_SETTINGS = ('dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'model_kwargs', 'train_subset',
+# size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
+# settings its saved state brings back (loading an optimizer's state restores its weight decay, momentum, betas and
+# eps, whatever the flags say). The schedule, --epochs, --lr..., may change on a resume; --model and the class
+# count come from the state's args.
+RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas',
+                   'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'model_kwargs', 'train_subset',
                    'holdout', 'holdout_seed', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
@@ -104,6 +107,8 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
     saved = st['meta'].get('args', {})
     # a state from before settings were recorded: its args, without the table's content
     recorded = st['meta'].get('settings') or resume_settings(saved, table=False)
+    if isinstance(recorded, dict) and isinstance(saved, dict):  # settings a state of an older version did not list
+        recorded = dict(resume_settings(saved, table=False), **recorded)
     if isinstance(recorded, dict):  # the model and class count, compared and named with the other settings
         recorded, settings = dict(recorded), dict(settings)
         for key, flag, have in (('model', '--model', cfg.model), ('num_classes', '--num-classes', cfg.num_classes)):

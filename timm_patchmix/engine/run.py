@@ -143,7 +143,9 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
     scheduler, num_epochs = create_scheduler_v2(
         optimizer, sched=cfg.sched, num_epochs=cfg.epochs, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
         cooldown_epochs=cfg.cooldown_epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
-        warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=steps_per_epoch)
+        warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=steps_per_epoch,
+        decay_milestones=list(cfg.decay_milestones), patience_epochs=cfg.patience_epochs,
+        plateau_mode='min' if cfg.eval_metric == 'loss' else 'max')  # plateau: a lower loss is the better one
     return optimizer, scheduler, num_epochs
 
 

@@ -1,0 +1,206 @@
+"""timm's flags mean what they mean in timm: the plateau schedule on a loss waits for the loss to stop falling,
+``--lr-base`` sets the lr even under a recipe that has one, ``--decay-milestones``/``--patience-epochs``/``--dr``
+reach the scheduler, a Mixup setting PatchMix or the data path would ignore is refused, ``--pretrained`` without
+weights is a one-line error, and a timm ``.pth``/``.pth.tar`` is named for what it is."""
+import dataclasses
+import os
+
+import pytest
+import timm
+import torch
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix import train as train_cli
+from timm_patchmix.checkpoint import CheckpointError, load_state, load_weights, save_weights
+from timm_patchmix.engine import ConfigError, TrainConfig, TrainSetupError
+from timm_patchmix.engine.config import resolve, scaled_lr
+from timm_patchmix.engine.model import build_model
+from timm_patchmix.engine.run import _optimization
+
+
+def _model():
+    return timm.create_model('resnet8_cifar', num_classes=10)
+
+
+def _resolved(**kw):
+    m = _model()
+    return resolve(TrainConfig(model='resnet8_cifar', **kw), model=m, num_classes=10,
+                   data_config=timm.data.resolve_data_config({}, model=m)), m
+
+
+def _lrs(cfg, model, metrics):
+    """The lr of each epoch when the scheduler is stepped with ``metrics``, as the training loop steps it."""
+    optimizer, scheduler, _ = _optimization(cfg, model, steps_per_epoch=1)
+    out = []
+    for epoch, metric in enumerate(metrics):
+        out.append(optimizer.param_groups[0]['lr'])
+        scheduler.step(epoch + 1, metric)
+    return out
+
+
+# --- the schedule -------------------------------------------------------------------------------------------------
+def test_plateau_on_loss_decays_when_the_loss_stops_falling():
+    cfg, m = _resolved(sched='plateau', eval_metric='loss', patience_epochs=2, lr=0.1, warmup_epochs=0)
+    falling = [2.0 - 0.1 * k for k in range(8)]
+    assert _lrs(cfg, m, falling) == [0.1] * 8  # a falling loss is progress: no decay
+    decayed = pytest.approx([0.1] * 4 + [0.01] * 3 + [0.001])  # patience 2: a decay after 3 epochs without progress
+    assert _lrs(cfg, m, [1.0] * 8) == decayed  # a loss that stops falling
+    assert _lrs(cfg, m, [1.0 + 0.1 * k for k in range(8)]) == decayed  # or rises
+
+
+def test_plateau_on_accuracy_decays_when_it_stops_rising():
+    cfg, m = _resolved(sched='plateau', eval_metric='top1', patience_epochs=2, lr=0.1, warmup_epochs=0)
+    assert _lrs(cfg, m, [10.0 + k for k in range(8)]) == [0.1] * 8
+    assert _lrs(cfg, m, [10.0 - k for k in range(8)]) == pytest.approx([0.1] * 4 + [0.01] * 3 + [0.001])
+
+
+def test_patience_epochs_reaches_the_scheduler():
+    flat = [1.0] * 8
+    first = []
+    for patience in (1, 4):
+        cfg, m = _resolved(sched='plateau', eval_metric='loss', patience_epochs=patience, lr=0.1, warmup_epochs=0)
+        lrs = _lrs(cfg, m, flat)
+        first.append(next(k for k, lr in enumerate(lrs) if lr < 0.1))
+    assert first[0] < first[1]
+
+
+def test_decay_milestones_reach_multistep():
+    cfg, m = _resolved(sched='multistep', decay_milestones=(2, 4), decay_rate=0.5, lr=0.1, warmup_epochs=0,
+                       epochs=6)
+    # timm's multistep counts a milestone from 1: the lr of epoch index 1 is the first decayed one for milestone 2
+    assert _lrs(cfg, m, [0.0] * 6) == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.025, 0.025])
+    cfg, m = _resolved(sched='multistep', decay_rate=0.5, lr=0.1, warmup_epochs=0, epochs=6)
+    assert _lrs(cfg, m, [0.0] * 6) == [0.1] * 6  # timm's default milestones, 90, 180 and 270
+    cli = train_cli.resolve_args(['--decay-milestones', '2', '4', '--dr', '0.5', '--patience-epochs', '3'])
+    assert (cli.decay_milestones, cli.decay_rate, cli.patience_epochs) == ((2, 4), 0.5, 3)
+    assert TrainConfig().decay_milestones == (90, 180, 270)  # timm's defaults
+    with pytest.raises(ConfigError, match='decay_milestones'):
+        TrainConfig(decay_milestones=(0, 3))
+
+
+# --- the learning rate ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('recipe', [None, 'demo', 'paper-cifar', 'timm'])
+def test_lr_base_wins_over_a_recipes_lr(recipe):
+    cfg, _ = _resolved(recipe=recipe, lr_base=0.4, batch_size=32)
+    assert cfg.lr == pytest.approx(0.4 * 32 / 256)
+    cfg, _ = _resolved(recipe=recipe, lr_base_size=64, batch_size=32)  # timm's base lr 0.1 at another size
+    assert cfg.lr == pytest.approx(0.1 * 32 / 64)
+    cfg, _ = _resolved(recipe=recipe, lr=0.03, lr_base=0.4, batch_size=32)  # --lr given: it wins
+    assert cfg.lr == 0.03
+
+
+def test_recipe_lr_without_lr_base():
+    assert _resolved()[0].lr == 0.1  # the demo recipe's
+    assert _resolved(recipe='paper-cifar')[0].lr == 0.1
+    cfg, _ = _resolved(recipe='timm', batch_size=64)
+    assert cfg.lr == pytest.approx(0.1 * 64 / 256) and (cfg.lr_base, cfg.lr_base_size, cfg.lr_base_scale) == \
+        (0.1, 256, '')
+    cfg = TrainConfig(lr_base_scale='sqrt', batch_size=64, opt='sgd').with_recipe()
+    assert cfg.lr is None and scaled_lr(cfg) == pytest.approx(0.1 * (64 / 256) ** 0.5)
+
+
+# --- settings another part of the run would ignore ----------------------------------------------------------------
+def test_mixup_off_epoch_with_patchmix_is_refused():
+    with pytest.raises(ConfigError, match='give --patchmix-off-epoch 3 instead') as e:
+        TrainConfig(patchmix=True, mixup_off_epoch=3)
+    assert e.value.flag == '--mixup-off-epoch'
+    assert TrainConfig(patchmix=True, patchmix_off_epoch=3).patchmix_off_epoch == 3
+    assert TrainConfig(mixup=0.2, mixup_off_epoch=3).mixup_off_epoch == 3
+
+
+@pytest.mark.parametrize('path', [dict(device_data=True), dict(no_prefetcher=True)])
+def test_half_mixup_mode_off_the_collate_path_is_refused(path):
+    with pytest.raises(ConfigError, match='half is a mode of the loader') as e:
+        TrainConfig(mixup=0.2, mixup_mode='half', **path)
+    assert e.value.flag == '--mixup-mode'
+    assert TrainConfig(mixup=0.2, mixup_mode='elem', **path).mixup_mode == 'elem'
+    assert TrainConfig(mixup=0.2, mixup_mode='half').mixup_mode == 'half'  # the loader's collate mixer has it
+
+
+def test_contradicting_flags_exit_2(capsys):
+    for argv in (['--patchmix', '--mixup', '0.2'], ['--patchmix', '--mixup-off-epoch', '1'],
+                 ['--mixup', '0.2', '--mixup-mode', 'half', '--no-prefetcher'],
+                 ['--patchmix-table', 'masks.json']):
+        with pytest.raises(SystemExit) as e:
+            train_cli.resolve_args(argv)
+        assert e.value.code == 2, argv
+    assert 'Traceback' not in capsys.readouterr().err
+
+
+# --- weights --------------------------------------------------------------------------------------------------
+def test_pretrained_without_weights_is_a_setup_error():
+    cfg = dataclasses.replace(TrainConfig(model='resnet8_cifar', pretrained=True).with_recipe(), pretrained=True)
+    with pytest.raises(TrainSetupError, match='--model resnet8_cifar --pretrained: its pretrained weights cannot be '
+                                              'loaded: RuntimeError: No pretrained weights exist'):
+        build_model(cfg, 10)
+
+
+def test_pretrained_download_failure_is_a_setup_error(monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*a, **kw):
+        raise LocalEntryNotFoundError('cannot find the requested files in the local cache')
+    monkeypatch.setattr(timm, 'create_model', offline)
+    with pytest.raises(TrainSetupError, match='LocalEntryNotFoundError: cannot find the requested files'):
+        build_model(TrainConfig(model='resnet18', pretrained=True).with_recipe(), 10)
+    # without --pretrained, or an error that is not about weights, the error is the model's own
+    with pytest.raises(LocalEntryNotFoundError):
+        build_model(TrainConfig(model='resnet18').with_recipe(), 10)
+
+    def broken(*a, **kw):
+        raise RuntimeError('shape mismatch in block 3')
+    monkeypatch.setattr(timm, 'create_model', broken)
+    with pytest.raises(RuntimeError, match='shape mismatch in block 3'):
+        build_model(TrainConfig(model='resnet18', pretrained=True).with_recipe(), 10)
+
+
+@pytest.mark.parametrize('zipped', [True, False])
+def test_a_torch_save_file_is_named_and_never_unpickled(tmp_path, monkeypatch, zipped):
+    path = str(tmp_path / 'model_best.pth.tar')
+    torch.save({'state_dict': _model().state_dict()}, path, _use_new_zipfile_serialization=zipped)
+
+    def no_load(*a, **kw):
+        raise AssertionError('torch.load was called')
+    monkeypatch.setattr(torch, 'load', no_load)
+    for read in (load_weights, load_state):
+        with pytest.raises(CheckpointError) as e:
+            read(path)
+        msg = str(e.value)
+        assert 'not a safetensors file' in msg and 'reads only safetensors' in msg and 'corrupt' not in msg
+        assert ('torch.save zip archive' if zipped else 'a pickle') in msg
+    open(path, 'wb').write(b'\x00\x01garbage')  # neither: still called what it may be
+    with pytest.raises(CheckpointError, match=r'truncated or corrupt\?'):
+        load_weights(path)
+
+
+def test_resume_from_weights_names_the_state_beside_them(tmp_path):
+    weights = str(tmp_path / 'last.safetensors')
+    save_weights(weights, _model().state_dict(), {'model': 'resnet8_cifar'})
+    with pytest.raises(CheckpointError) as e:
+        load_state(weights)
+    assert 'use --initial-checkpoint' in str(e.value) and 'state.safetensors' not in str(e.value)
+    open(os.path.join(tmp_path, 'state.safetensors'), 'wb').close()  # a run folder: the state is beside the weights
+    with pytest.raises(CheckpointError, match=r'resume from .*state\.safetensors, the training state train\.py '
+                                              r'writes beside it, or use --initial-checkpoint'):
+        load_state(weights)
+
+
+# --- the timm flags docs/training.md lists as not offered --------------------------------------------------------
+def _not_offered():
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, 'docs', 'training.md'), encoding='utf-8').read()
+    block = text.split('<!-- not-offered -->')[1].split('<!-- /not-offered -->')[0]
+    return re.findall(r'`(-[-\w]+)`', block)
+
+
+def test_the_documented_missing_timm_flags_are_refused(capsys):
+    flags = _not_offered()
+    assert len(flags) == 65 and len(set(flags)) == len(flags)
+    options = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
+    assert not set(flags) & options  # a flag added to train.py leaves the list
+    for flag in flags:
+        with pytest.raises(SystemExit) as e:
+            train_cli.resolve_args([flag, '1'] if flag not in ('-c', '-d') else [flag, 'x'])
+        assert e.value.code == 2
+        assert f'unrecognized arguments: {flag}' in capsys.readouterr().err, flag
