@@ -187,7 +187,7 @@ EPILOG = '''examples:
   {prog} --model resnet32_cifar --cutmix 1.0  # a baseline with timm's CutMix
   {prog} --dataset fashion_mnist --holdout 0.1 --model patchhead_resnet32_cifar --patchmix
   {prog} <the run's flags> --resume output/train/<run>/state.safetensors   # continue a killed run
-  torchrun --nproc_per_node 2 train.py --patchmix   # DDP'''
+  torchrun --nproc_per_node 2 -m timm_patchmix.train --patchmix   # DDP (from a checkout: torchrun ... train.py)'''
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ EPILOG = '''examples:
   # a short search; then the same command with --resume continues an interrupted one
   {prog} --checkpoint ft.safetensors --population 100 --generations 30 --k 8
   # new genes scored on two processes
-  torchrun --nproc_per_node 2 search.py --checkpoint ft.safetensors'''
+  torchrun --nproc_per_node 2 -m timm_patchmix.search --checkpoint ft.safetensors'''
 
 
 def build_parser() -> argparse.ArgumentParser:
