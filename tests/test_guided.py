@@ -82,7 +82,7 @@ def test_realised_guided_fraction_100_classes_batch_128(form):
     assert abs(np.mean(rand) - 0.25) <= 0.03 and abs(np.mean(clean) - 0.25) <= 0.03
 
 
-def test_table_validation_against_the_run(tmp_path):
+def test_table_validation_against_the_run(tmp_path, capsys):
     fp = dataset_fingerprint('', PATCHSHAPES_CLASSES)
     t = random_table(10, 5)
     t.class_names, t.fingerprint = list(PATCHSHAPES_CLASSES), fp
@@ -101,8 +101,9 @@ def test_table_validation_against_the_run(tmp_path):
         assert len(res['rows']) == 1
     with pytest.raises(SystemExit, match='searched for a 4x4 grid, this run uses 2x2'):
         train_main(common + ['--patchmix-table', path, '--patchmix-grid', '2', '--experiment', 'bad'])
-    with pytest.raises(SystemExit, match='add --patchmix'):
+    with pytest.raises(SystemExit) as e:  # a usage error: argparse's message, exit status 2
         train_main(common[:-1] + ['--patchmix-table', path, '--experiment', 'bad2'])
+    assert e.value.code == 2 and 'add --patchmix' in capsys.readouterr().err
     open(path, 'w').write('{"schema_version": 1,')
     with pytest.raises(SystemExit, match='not valid JSON'):
         train_main(common + ['--patchmix-table', path, '--experiment', 'bad3'])

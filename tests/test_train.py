@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -207,9 +208,12 @@ def test_fgsm_after_training_and_standalone(tmp_path):
     (['--model', 'resnet32_cifar', '--patchmix', '--no-patch-loss', '--patchmix-grid', '33'],
      r'--patchmix-grid 33x33 does not fit the input 32x32: cannot split a length of 32 into 33'),
 ])
-def test_clear_errors(tmp_path, flags, message):
-    with pytest.raises(SystemExit, match=message):
+def test_clear_errors(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
         run(tmp_path, *flags)
+    # a run that cannot start: SystemExit with the 'error: ...' line; a usage error: argparse's message, status 2
+    text = str(e.value.code) if e.value.code != 2 else capsys.readouterr().err
+    assert re.search(message, text), text
     assert not (tmp_path / 'run').exists()  # stopped before the run folder was made
 
 
