@@ -240,12 +240,12 @@ def test_every_field_is_checked():
 
 
 # --- the command line and the config agree -------------------------------------------------------------------------
-def _parser_actions():
-    return {a.dest: a for a in train_cli.build_parser()._actions if a.option_strings}
+def _actions(parser):
+    return {a.dest: a for a in parser._actions if a.option_strings}
 
 
 def test_numeric_flags_take_their_types_from_the_table():
-    actions = _parser_actions()
+    actions = _actions(train_cli.build_parser())
     numeric = {}
     for dest, a in actions.items():
         if bounds_of(a.type) is not None:
@@ -261,9 +261,10 @@ def test_numeric_flags_take_their_types_from_the_table():
         assert name in actions, name
 
 
-def _texts(name):
-    b = bounds_of(VALUE_TYPES[name])
-    vals = {'-1', '0', '1', '1.5', '0.5', 'nan', 'inf', '2'}
+def _texts(name, types=VALUE_TYPES):
+    """Values as text at and around the edges of the range of ``types[name]``, and some within it."""
+    b = bounds_of(types[name])
+    vals = {'-1', '0', '1', '1.5', '0.5', 'nan', 'inf', '2', '3'}
     for edge in (b.lo, b.hi):
         if edge is not None:
             for d in ((-1, 0, 1) if b.kind == 'int' else (-0.5, -0.001, 0, 0.001, 0.5)):
@@ -355,12 +356,8 @@ def test_search_config_names_are_strings(name):
         SearchConfig(checkpoint='ft.safetensors', **{name: 5})
 
 
-def _search_actions():
-    return {a.dest: a for a in search_command.build_parser()._actions if a.option_strings}
-
-
 def test_search_numeric_flags_take_their_types_from_the_table():
-    actions = _search_actions()
+    actions = _actions(search_command.build_parser())
     numeric = {dest for dest, a in actions.items() if bounds_of(a.type) is not None} - {'grid'}
     assert numeric == set(SEARCH_VALUE_TYPES)
     for name in numeric:
@@ -368,21 +365,11 @@ def test_search_numeric_flags_take_their_types_from_the_table():
         assert '--' + name.replace('_', '-') in actions[name].option_strings
 
 
-def _search_texts(name):
-    b = bounds_of(SEARCH_VALUE_TYPES[name])
-    vals = {'-1', '0', '1', '1.5', '0.5', 'nan', 'inf', '2', '3'}
-    for edge in (b.lo, b.hi):
-        if edge is not None:
-            for d in ((-1, 0, 1) if b.kind == 'int' else (-0.5, -0.001, 0, 0.001, 0.5)):
-                vals.add(repr(edge + d) if b.kind != 'int' else str(int(edge) + d))
-    return sorted(vals)
-
-
 @pytest.mark.parametrize('name', sorted(SEARCH_VALUE_TYPES))
 def test_search_cli_and_config_agree_on_bounds(name, capsys):
     """As for train.py: search.py's flag takes a value (as text) exactly when SearchConfig takes it (as a number),
     and both keep the same value of Python's own type."""
-    for text in _search_texts(name):
+    for text in _texts(name, SEARCH_VALUE_TYPES):
         value = _py(text)
         try:
             cli = search_command.parse_config(['--checkpoint', __file__, '--' + name.replace('_', '-'), text])
