@@ -445,6 +445,22 @@ def test_train_args_refuse_the_flags_the_pipeline_sets(tmp_path, capsys, monkeyp
     assert not out.exists()
 
 
+@pytest.mark.parametrize('flags', [['-c', 'cfg.yaml'], ['--config=cfg.yaml']])
+def test_train_args_refuse_a_config_file(tmp_path, capsys, monkeypatch, flags):
+    """train.py's -c file would set what the pipeline sets (its keys pass no flag check) and what its budget record
+    reads: refused with exit status 2 before anything is written."""
+    import timm_patchmix.pipeline as pipeline
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: pytest.fail('the phases ran'))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'cfg.yaml').write_text('patchmix: true\nseed: 5\n')
+    out = tmp_path / 'p'
+    with pytest.raises(SystemExit) as e:
+        pipeline_main(['--output', str(out), '--train-args', '--epochs', '1'] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and 'error: --config in --train-args: the pipeline\'s runs take their settings' in err
+    assert not out.exists()
+
+
 def test_train_args_keep_the_budget_flags_open(tmp_path):
     """The budget's flags, abbreviated or not, and the console flags pass the check."""
     from timm_patchmix.pipeline import _check_train_args, build_parser

@@ -647,6 +647,10 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
     tp.prog = f'{parser.prog} --train-args'
     tp.parse_args(list(args.train_args))
     given = _given_flags(train_parser(), list(args.train_args))
+    if 'config' in given:  # its keys would bypass this check, and the budget record reads the flags alone
+        parser.error(f'{given["config"]} in --train-args: the pipeline\'s runs take their settings from its own '
+                     f'flags and --train-args, which it checks and records; give the file\'s settings as flags in '
+                     f'--train-args')
     for dest, (flag, what) in OWNED_TRAIN_FLAGS.items():
         if dest in given:
             words = [a.split('=', 1)[0] for a in args.train_args if a.startswith('-')]

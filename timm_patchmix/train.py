@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -21,11 +22,12 @@ from timm.utils import ParseKwargs as _TimmParseKwargs
 
 from .cli_types import optional_directory, optional_file
 from .engine import ConfigError, NonFiniteLossError, StepEvent, TrainConfig, TrainSetupError, train
-from .engine.config import CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS, VALUE_TYPES
+from .engine.config import CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS, UNFLAGGED, VALUE_TYPES, check_setting
 from .engine.model import model_arch
 from .engine.records import RESUME_SETTINGS, resume_settings
 
-__all__ = ['build_parser', 'parse_config', 'resolve_args', 'main', 'cli', 'NonFiniteLossError', 'RECIPES',
+__all__ = ['build_parser', 'parse_config', 'config_file_defaults', 'resolve_args', 'main', 'cli', 'NonFiniteLossError',
+           'RECIPES',
            'TIMM_DEFAULTS', 'SCHEDULERS', 'RESUME_SETTINGS', 'resume_settings', 'model_arch']
 
 
@@ -181,12 +183,19 @@ def _running_flags(g) -> None:
     g.add_argument('--no-progress', action='store_true', default=False)
 
 
+def _config_flag(g) -> None:
+    g.add_argument('-c', '--config', default='', metavar='FILE',
+                   help="YAML file of settings by name (a run's args.yaml, or some of its keys): they replace the "
+                        "defaults, the flags given here win over them, and the recipe fills what neither sets")
+
+
 EPILOG = '''examples:
   {prog} --patchmix                          # Random PatchMix on the embedded data (demo recipe)
   {prog} --patchmix --patchmix-table output/search/masks.json   # Guided PatchMix with a searched table
   {prog} --model resnet32_cifar --cutmix 1.0  # a baseline with timm's CutMix
   {prog} --dataset fashion_mnist --holdout 0.1 --model patchhead_resnet32_cifar --patchmix
   {prog} <the run's flags> --resume output/train/<run>/state.safetensors   # continue a killed run
+  {prog} -c output/train/<run>/args.yaml --seed 1   # that run's settings, another seed
   torchrun --nproc_per_node 2 -m timm_patchmix.train --patchmix   # DDP (from a checkout: torchrun ... train.py)'''
 
 
@@ -197,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 '--patchmix and its options. A flag without a default shown takes the recipe\'s '
                                 'value\nor one resolved from the model (--recipe, docs/training.md).',
                                 formatter_class=HelpFormatter, epilog=EPILOG.format(prog=prog), add_help=True)
+    _config_flag(p)
     _dataset_flags(p.add_argument_group('Dataset'))
     _model_flags(p.add_argument_group('Model'))
     _optimizer_flags(p.add_argument_group('Optimizer and schedule'))
@@ -207,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(ns: argparse.Namespace, argv: Optional[List[str]]) -> TrainConfig:
     flags = vars(ns).copy()
+    flags.pop('config')
     positional = flags.pop('data')
     flags['data_dir'] = flags['data_dir'] or positional or ''
     flags['grid'] = flags.pop('patchmix_grid')
@@ -215,10 +226,88 @@ def _config(ns: argparse.Namespace, argv: Optional[List[str]]) -> TrainConfig:
     return TrainConfig(**flags).with_recipe()
 
 
+# the keys of a config file that name no flag: what args.yaml records besides the flags (the command line, and what
+# is resolved from the model), left out; TrainConfig's name of --patchmix-grid
+_RECORDED_ONLY = frozenset(UNFLAGGED)
+_FIELD_OF = {'patchmix_grid': 'grid', 'data': 'data_dir'}
+
+
+def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    """The settings of the YAML file ``path`` (``-c/--config``) as defaults of ``parser``'s flags, by destination.
+
+    The file maps settings by name, as ``args.yaml`` records them (``grid`` is ``--patchmix-grid``; ``command``,
+    ``arch``, ``patch_head`` and ``data_config``, which a run resolves, are left out). A string is read as the flag
+    reads it (``lr: 1e-3``, which YAML leaves a string, is 0.001); a flag that takes several values also takes one
+    (``fgsm: 0.1``). Each value is checked as the flag's; an unknown
+    key, a value a flag would refuse, or a file that is no mapping is a :class:`ConfigError` naming the file."""
+    import yaml
+
+    def fail(message: str) -> ConfigError:
+        return ConfigError(f'{path}: {message}', '-c/--config')
+
+    if not os.path.isfile(path):
+        raise fail('no such file' if not os.path.exists(path) else 'not a file')
+    try:
+        with open(path, encoding='utf-8') as f:
+            data = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise fail(f'not a readable YAML file: {" ".join(str(e).split())}') from None
+    except OSError as e:
+        raise fail(f'cannot be read: {e.strerror or e}') from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise fail(f'must map setting names to values (as a run\'s args.yaml does), got a {type(data).__name__}')
+    actions = {a.dest: a for a in parser._actions if a.dest not in ('help', 'config')}
+    named = {'grid': 'patchmix_grid'}
+    both = [k for k in named if k in data and named[k] in data]
+    if both:
+        raise fail(f'gives both {both[0]} and {named[both[0]]}, which are one setting; keep one')
+    unknown = [k for k in data if named.get(k, k) not in actions and k not in _RECORDED_ONLY]
+    if unknown:
+        raise fail(f'unknown setting{"s" if len(unknown) > 1 else ""} {", ".join(unknown)}: not flags of train.py '
+                   f'(its flags, with - as _; timm flags it does not offer are listed in docs/training.md)')
+    out: Dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _RECORDED_ONLY:
+            continue
+        dest = named.get(key, key)
+        action = actions[dest]
+        if action.nargs == '+' and value is not None and not isinstance(value, (list, dict)):
+            value = [value]  # one value of a flag that takes several, as the command line gives it
+        try:
+            if action.type is not None:
+                if isinstance(value, str):
+                    value = action.type(value)
+                elif isinstance(value, list):
+                    value = [action.type(v) if isinstance(v, str) else v for v in value]
+            check_setting(_FIELD_OF.get(dest, dest), value)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            message = e.message if isinstance(e, ConfigError) else str(e)
+            raise fail(f'{key}: {message}') from None
+        out[dest] = value
+    return out
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> argparse.Namespace:
+    """``argv`` parsed, a ``-c/--config`` file's settings (:func:`config_file_defaults`) taking the place of the
+    defaults: the flags given win over the file."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument('-c', '--config', default='')
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**config_file_defaults(known.config, parser))
+    ns = parser.parse_args(argv)
+    if ns.config != known.config:  # an abbreviation of --config, which the first pass does not read
+        parser.error('argument -c/--config: write the flag in full (-c FILE or --config FILE)')
+    return ns
+
+
 def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
-    """``train.py``'s flags as a config, with the recipe's values filled in. A value outside its flag's range exits
-    2 through argparse; a contradiction between flags raises :class:`ConfigError` (or :class:`TrainSetupError`)."""
-    return _config(build_parser().parse_args(argv), argv)
+    """``train.py``'s flags as a config, with a ``-c/--config`` file's settings in place of the defaults and the
+    recipe's values filled in. A value outside its flag's range exits 2 through argparse; a contradiction between
+    flags, or a bad config file, raises :class:`ConfigError` (or :class:`TrainSetupError`)."""
+    return _config(_parse(build_parser(), argv), argv)
 
 
 def resolve_args(argv: Optional[List[str]] = None) -> TrainConfig:

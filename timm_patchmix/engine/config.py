@@ -19,7 +19,7 @@ from ..cli_types import (bounds_of, fraction, nonneg_float, nonneg_int, positive
 from .errors import ConfigError
 
 __all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'VALUE_TYPES', 'SEQUENCES',
-           'PATHS', 'UNFLAGGED', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid']
+           'PATHS', 'UNFLAGGED', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid', 'check_setting']
 
 # Defaults of timm's train.py for the flags a recipe may change; a recipe fills only flags the user left unset.
 TIMM_DEFAULTS: Dict[str, Any] = dict(model='resnet50', epochs=300, batch_size=128, opt='sgd', lr=None, momentum=0.9,
@@ -337,27 +337,7 @@ class TrainConfig:
         """Every setting of its kind: numbers in their flags' ranges (:data:`VALUE_TYPES`), sequences of their
         lengths, switches real bools, names and paths strings; ``None`` only where it is the default."""
         for f in dataclasses.fields(self):
-            name, value = f.name, getattr(self, f.name)
-            optional = f.default is None
-            if value is None and optional:
-                continue
-            if name in VALUE_TYPES:
-                bounds = bounds_of(VALUE_TYPES[name])
-                if name in SEQUENCES:
-                    lo, hi = SEQUENCES[name]
-                    if not (lo <= len(value) and (hi is None or len(value) <= hi)) or \
-                            not all(bounds.accepts(v) for v in value):
-                        raise _value_error(name, value)
-                elif not bounds.accepts(value):
-                    raise _value_error(name, value)
-            elif name in _BOOLS:
-                if not isinstance(value, bool):
-                    raise _value_error(name, value)
-            elif name in _STRINGS:
-                if not isinstance(value, str):
-                    raise _value_error(name, value)
-            elif name == 'data_config' and not isinstance(value, DataConfig):
-                raise _value_error(name, value)
+            _check_field(f.name, getattr(self, f.name))
 
     @property
     def mixup_active(self) -> bool:
@@ -420,6 +400,55 @@ def _expected(name: str) -> str:
     else:
         want = 'a valid value'
     return want + (' or None' if _FIELDS[name].default is None else '')
+
+
+def _check_field(name: str, value: Any) -> None:
+    """``value`` of setting ``name``'s kind and range, as :class:`TrainConfig` holds it (sequences as tuples or
+    lists, the grid as ``(rows, cols)``)."""
+    if value is None and _FIELDS[name].default is None:
+        return
+    if name in VALUE_TYPES:
+        bounds = bounds_of(VALUE_TYPES[name])
+        if name in SEQUENCES:
+            lo, hi = SEQUENCES[name]
+            if not (lo <= len(value) and (hi is None or len(value) <= hi)) or \
+                    not all(bounds.accepts(v) for v in value):
+                raise _value_error(name, value)
+        elif not bounds.accepts(value):
+            raise _value_error(name, value)
+    elif name in _BOOLS:
+        if not isinstance(value, bool):
+            raise _value_error(name, value)
+    elif name in _STRINGS:
+        if not isinstance(value, str):
+            raise _value_error(name, value)
+    elif name == 'data_config' and not isinstance(value, DataConfig):
+        raise _value_error(name, value)
+
+
+def check_setting(name: str, value: Any) -> None:
+    """One setting's value on its own, as :class:`TrainConfig` checks it (kind, range, length, choice), before any
+    recipe fills or flag combinations are checked: a :class:`ConfigError` naming the flag when it is not one the
+    setting takes. ``name`` is a :class:`TrainConfig` field that a flag sets (``grid`` for ``--patchmix-grid``)."""
+    if name not in _FIELDS or name in UNFLAGGED:
+        raise KeyError(name)
+    if name == 'grid':
+        normal_grid(value)
+        return
+    if name in SEQUENCES and value is not None and (isinstance(value, (str, bytes, Mapping)) or not _iterable(value)):
+        raise _value_error(name, value)
+    if name in PATHS and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if name == 'model_kwargs':
+        if not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+            raise ConfigError(f'must be a dict of keyword arguments by name, got {value!r} '
+                              f'(TrainConfig.model_kwargs)', '--model-kwargs')
+        return
+    _check_field(name, value)
+    allowed = CHOICES.get(name)
+    if allowed is not None and value is not None and value not in allowed:
+        raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))}) '
+                          f'(TrainConfig.{name})', _flag(name))
 
 
 def _value_error(name: str, value: Any) -> ConfigError:

@@ -1,0 +1,151 @@
+"""``train.py -c FILE``: a YAML file of settings (a run's ``args.yaml``) in place of the defaults, as in timm. A run's
+``args.yaml`` reruns it exactly; the flags given win over the file; a bad file is a usage error that names it."""
+import csv
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix.engine import ConfigError
+from timm_patchmix.train import build_parser, main, parse_config, resolve_args
+
+TINY = ['--train-subset', '64', '--val-subset', '40', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1']
+
+
+def _file(tmp_path, text, name='cfg.yaml'):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _rows(path):
+    with open(path) as f:
+        return [{k: v for k, v in r.items() if k != 'img_s'} for r in csv.DictReader(f)]
+
+
+def _record(cfg):
+    return {k: v for k, v in cfg.record().items() if k != 'command'}
+
+
+def test_a_runs_args_yaml_reruns_it_exactly(tmp_path):
+    # settings away from every default and recipe value, so that a file that lost one would train another run
+    first = main(TINY + ['--patchmix', '--patchmix-grid', '2', '--lr', '0.05', '--seed', '3', '--smoothing', '0.1',
+                         '--output', str(tmp_path), '--experiment', 'first'])
+    args_yaml = os.path.join(first['output'], 'args.yaml')
+    again = main(['-c', args_yaml, '--experiment', 'again'])
+    assert again['output'] == os.path.join(str(tmp_path), 'again')
+    with open(args_yaml) as f:
+        before = yaml.safe_load(f)
+    with open(os.path.join(again['output'], 'args.yaml')) as f:
+        after = yaml.safe_load(f)
+    assert after.pop('command') == f'train.py -c {args_yaml} --experiment again'
+    assert before.pop('command').startswith('train.py --train-subset 64')
+    assert (before.pop('experiment'), after.pop('experiment')) == ('first', 'again')
+    assert after == before
+    assert after['grid'] == [2, 2] and after['lr'] == 0.05 and after['seed'] == 3 and after['smoothing'] == 0.1
+    # the same training: losses, accuracies and every weight
+    assert _rows(os.path.join(again['output'], 'summary.csv')) == _rows(os.path.join(first['output'], 'summary.csv'))
+    w1 = load_file(os.path.join(first['output'], 'last.safetensors'))
+    w2 = load_file(os.path.join(again['output'], 'last.safetensors'))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_the_flags_given_win_over_the_file_and_the_recipe_fills_the_rest(tmp_path):
+    path = _file(tmp_path, 'epochs: 5\nlr: 0.05\npatchmix: true\nbatch_size: 16\nseed: 7\n')
+    spellings = (['-c', path], ['--config', path], [f'--config={path}'], [f'-c{path}'])
+    for argv in [spelt + ['--epochs', '2'] for spelt in spellings] + [['--epochs', '2', '-c', path]]:
+        cfg = parse_config(argv)
+        assert (cfg.epochs, cfg.lr, cfg.patchmix, cfg.batch_size, cfg.seed) == (2, 0.05, True, 16, 7), argv
+        # what neither sets: the demo recipe's (embedded data), and --patchmix's patch-head model
+        assert (cfg.recipe, cfg.model, cfg.weight_decay, cfg.warmup_epochs) == \
+            ('demo', 'patchhead_resnet32_cifar', 5e-4, 0)
+    plain = parse_config(['--epochs', '2'])
+    assert (plain.lr, plain.patchmix, plain.batch_size, plain.seed) == (0.1, False, 128, 42)  # no file: defaults
+
+
+def test_an_empty_file_changes_nothing(tmp_path):
+    assert _record(parse_config(['-c', _file(tmp_path, '')])) == _record(parse_config([]))
+
+
+def test_strings_are_read_as_the_flag_reads_them(tmp_path):
+    text = "lr: 1e-3\nopt_betas: ['0.9', 0.99]\nseed: '5'\ngrid: 2\nfgsm: 0.1\ndecay_milestones: '30'\n"
+    assert isinstance(yaml.safe_load(text)['lr'], str)  # YAML 1.1 reads 1e-3 (no dot) as a string
+    cfg = parse_config(['-c', _file(tmp_path, text), '--patchmix'])
+    assert cfg.lr == 0.001 and type(cfg.lr) is float
+    assert cfg.opt_betas == (0.9, 0.99) and cfg.seed == 5 and cfg.grid == (2, 2)
+    # one value of a flag that takes several, as on the command line
+    assert cfg.fgsm == (0.1,) and cfg.decay_milestones == (30,)
+
+
+def test_what_a_run_resolves_is_left_out(tmp_path):
+    text = ('command: train.py --model vit_base_patch16_224\narch: vit_base_patch16_224\npatch_head: true\n'
+            'data_config: {input_size: [3, 224, 224]}\nepochs: 3\n')
+    cfg = parse_config(['-c', _file(tmp_path, text)])
+    assert cfg.epochs == 3 and cfg.arch is None and cfg.patch_head is None and cfg.data_config is None
+    assert cfg.model == 'resnet32_cifar' and cfg.command == f'train.py -c {tmp_path / "cfg.yaml"}'
+
+
+@pytest.mark.parametrize('text, message', [
+    ('aa: rand-m9\nepochs: 2\nreprob: 0.25\n', 'unknown settings aa, reprob: not flags of train.py'),
+    ('config: other.yaml\n', 'unknown setting config: not flags of train.py'),
+    ('batch-size: 16\n', 'unknown setting batch-size'),
+    ('epochs: 0\n', 'epochs: must be an integer >= 1'),
+    ("epochs: '0'\n", 'epochs: must be an integer >= 1'),
+    ('epochs: 2.5\n', 'epochs: must be an integer >= 1 or None, got 2.5'),
+    ('smoothing: 1.0\n', 'smoothing: must be a finite number in [0, 1)'),
+    ("lr: fast\n", 'lr: must be a finite number > 0'),
+    ('patchmix: "on"\n', "patchmix: must be True or False, got 'on'"),
+    ('sched: fancy\n', "sched: invalid choice: 'fancy'"),
+    ('opt_betas: {a: 1}\n', 'opt_betas: must be None or a sequence of one or more values'),
+    ("fgsm: [0.1, '-1']\n", 'fgsm: must be a finite number >= 0'),
+    ('cutmix_minmax: [0.2]\n', 'cutmix_minmax: must be None or a sequence of 2 values'),
+    ('grid: [2, 2, 2]\n', 'grid: takes P or rows cols, got 3 values'),
+    ('grid: 2\npatchmix_grid: 2\n', 'gives both grid and patchmix_grid'),
+    ('model_kwargs: [1, 2]\n', 'model_kwargs: must be a dict of keyword arguments by name'),
+    ('resume: missing.safetensors\n', "resume: file 'missing.safetensors' does not exist"),
+    ('model: 7\n', 'model: must be a string or None, got 7'),
+    ('- epochs\n- 2\n', "must map setting names to values (as a run's args.yaml does), got a list"),
+    ('epochs: [1\n', 'not a readable YAML file'),
+    ('1: 2\n', 'must map setting names to values'),
+])
+def test_a_bad_file_is_named_with_what_is_wrong(tmp_path, text, message):
+    path = _file(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        parse_config(['-c', path])
+    assert e.value.flag == '-c/--config'
+    assert e.value.message.startswith(f'{path}: ') and message in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize('make, message', [(lambda p: p / 'nothing.yaml', 'no such file'),
+                                           (lambda p: p, 'not a file')])
+def test_a_missing_file_is_named(tmp_path, make, message):
+    path = str(make(tmp_path))
+    with pytest.raises(ConfigError, match=f'{path}: {message}'):
+        parse_config(['-c', path])
+
+
+def test_on_the_command_line_a_bad_file_is_a_usage_error(tmp_path, capsys):
+    path = _file(tmp_path, 'aa: rand-m9\n')
+    with pytest.raises(SystemExit) as e:
+        resolve_args(['-c', path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f'error: argument -c/--config: {path}: unknown setting aa' in err
+    with pytest.raises(SystemExit) as e:
+        main(['-c', path, '--output', str(tmp_path / 'out')])
+    assert e.value.code == 2 and not os.path.exists(tmp_path / 'out')  # nothing is written
+
+
+def test_an_abbreviated_config_flag_is_refused(tmp_path, capsys):
+    path = _file(tmp_path, 'epochs: 3\n')
+    with pytest.raises(SystemExit) as e:
+        parse_config(['--conf', path])
+    assert e.value.code == 2 and 'write the flag in full' in capsys.readouterr().err
+
+
+def test_the_help_offers_it():
+    text = build_parser().format_help()
+    assert '-c FILE, --config FILE' in text and "-c output/train/<run>/args.yaml" in text
