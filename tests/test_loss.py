@@ -125,6 +125,37 @@ def test_one_pass_loss_under_bfloat16_logits_is_float32():
     torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)
 
 
+def test_smoothing_of_class_indices_is_timms_and_the_idle_mixers():
+    """PatchMixLoss(smoothing=s) on class indices: by hand, timm's LabelSmoothingCrossEntropy for the image term and
+    for every cell, and the loss of the idle mixer's packed target smoothed by s; packed targets are left as given."""
+    from timm.loss import LabelSmoothingCrossEntropy
+    g = torch.Generator().manual_seed(3)
+    logits, patch = torch.randn(4, 5, generator=g), torch.randn(4, 16, 5, generator=g)
+    y = torch.tensor([0, 4, 2, 2])
+    s = 0.1
+    # by hand: the smoothed row puts 1 - s + s/C on the label and s/C elsewhere
+    rows = [[s / 5 + (1 - s) * (k == int(label)) for k in range(5)] for label in y]
+    by_hand = sum(ce(logits[i].tolist(), rows[i]) for i in range(4)) / 4
+    assert PatchMixLoss(smoothing=s)(logits, y).item() == pytest.approx(by_hand, rel=1e-6)
+    timm_ls = LabelSmoothingCrossEntropy(smoothing=s)
+    torch.testing.assert_close(PatchMixLoss(smoothing=s)(logits, y), timm_ls(logits, y))
+    expected = (timm_ls(logits, y) + timm_ls(patch.reshape(-1, 5), y.repeat_interleave(16))) / 2
+    torch.testing.assert_close(PatchMixLoss(smoothing=s)((logits, patch), y), expected)
+    unsmoothed = PatchMixLoss()((logits, patch), y).item()
+    assert PatchMixLoss(smoothing=s)((logits, patch), y).item() != pytest.approx(unsmoothed, rel=1e-3)
+    # the idle mixer's packed target, smoothed by the mixer: the same loss; the loss does not smooth it again
+    idle = PatchMix(num_classes=5, label_smoothing=s)
+    _, packed = idle.apply(torch.rand(4, 3, 8, 8), y, PatchMixParams.identity(4, 4))
+    for loss in (PatchMixLoss(), PatchMixLoss(smoothing=s), PatchMixLoss(smoothing=0.3)):
+        torch.testing.assert_close(loss((logits, patch), packed), expected)
+
+
+@pytest.mark.parametrize('smoothing', [-0.1, 1.0, float('nan'), '0.1', True])
+def test_bad_smoothing_is_refused_by_name(smoothing):
+    with pytest.raises(ValueError, match=r'smoothing must be a finite number in \[0, 1\)'):
+        PatchMixLoss(smoothing=smoothing)
+
+
 @pytest.mark.parametrize('weight', [-1.0, float('nan'), float('inf'), '1', True])
 def test_bad_patch_weight_is_refused_by_name(weight):
     """A weight that would make every loss NaN (or negative, or not a number) is refused when the loss is made."""

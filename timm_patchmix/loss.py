@@ -33,18 +33,24 @@ class PatchMixLoss(nn.Module):
         image_loss: include L_O.
         patch_loss: include L_P. With only one of the two on, the loss is that term alone (L_O, or w * L_P / P^2).
         patch_weight: ``w``, the weight of the patch term.
+        smoothing: label smoothing of class-index targets, for the image and every cell alike (timm's
+            ``LabelSmoothingCrossEntropy``: ``y * (1 - s) + s / C``). Packed and soft targets carry their own
+            smoothing (``PatchMix(label_smoothing=...)``, timm's ``Mixup``) and are used as given.
     """
 
-    def __init__(self, image_loss: bool = True, patch_loss: bool = True, patch_weight: float = 1.0):
+    def __init__(self, image_loss: bool = True, patch_loss: bool = True, patch_weight: float = 1.0,
+                 smoothing: float = 0.0):
         super().__init__()
         if not (image_loss or patch_loss):
             raise ValueError('PatchMixLoss needs image_loss or patch_loss (or both) switched on')
         self.image_loss = image_loss
         self.patch_loss = patch_loss
         self.patch_weight = _number(patch_weight, 'patch_weight', 0.0)
+        self.smoothing = _number(smoothing, 'smoothing', 0.0, 1.0, high_open=True)
 
     def extra_repr(self) -> str:
-        return f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}'
+        return (f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}, '
+                f'smoothing={self.smoothing}')
 
     def forward(self, output: ModelOutput, target: torch.Tensor) -> torch.Tensor:
         if isinstance(output, (tuple, list)):
@@ -66,7 +72,7 @@ class PatchMixLoss(nn.Module):
         if use_patch and self.image_loss and is_packed_target(target, c, patch_logits.shape[1]):
             return packed_loss(logits, patch_logits, target, self.patch_weight)
         if target.ndim == 1:
-            image_t = soft_target(target, c, device=logits.device)
+            image_t = soft_target(target, c, self.smoothing, device=logits.device)
             patch_t = image_t.unsqueeze(1) if use_patch else None
         elif target.ndim == 2 and target.shape[1] == c:
             if use_patch:

@@ -122,7 +122,7 @@ def _criterion(cfg: TrainConfig) -> nn.Module:
     from ..loss import PatchMixLoss
     if cfg.patchmix or cfg.patch_head:
         return PatchMixLoss(image_loss=not cfg.no_image_loss, patch_loss=not cfg.no_patch_loss,
-                            patch_weight=cfg.patch_loss_weight)
+                            patch_weight=cfg.patch_loss_weight, smoothing=cfg.smoothing or 0.0)
     if cfg.mixup_active:
         return SoftTargetCrossEntropy()
     if cfg.smoothing:
