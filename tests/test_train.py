@@ -107,22 +107,26 @@ def _all_pairs_table(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('guided', [False, True], ids=['random', 'guided'])
-def test_resume_after_kill_matches_uninterrupted(tmp_path, guided):
+@pytest.mark.parametrize('guided, accum', [(False, 1), (True, 1), (False, 3)], ids=['random', 'guided', 'accum3'])
+def test_resume_after_kill_matches_uninterrupted(tmp_path, guided, accum):
     # on the CPU, also where a GPU is present: bit-identical replays need deterministic kernels
     args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path), '--device', 'cpu']
     if guided:  # the tensor mixer keeps a class memory across batches: each epoch starts it empty
         args += ['--patchmix-table', _all_pairs_table(str(tmp_path / 'masks.json'))]
+    if accum > 1:  # 4 batches an epoch in groups of 3 and 1: 2 updates an epoch, so the kill after update 5 falls
+        args += ['--grad-accum-steps', str(accum), '--sched-on-updates']  # in epoch 2, between its two groups
+    kill_after = 6 if accum == 1 else 5
     env = dict(os.environ, PYTHONPATH=PYPATH)
     full = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'full'], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-2000:]
     # 64 images / batch 16 = 4 steps per epoch: a SIGKILL after step 6 is in the middle of epoch 1
-    killed = subprocess.run([sys.executable, KILLER, '6', 'train', *args, '--experiment', 'killed'], cwd=ROOT,
-                            env=env, capture_output=True, text=True)
+    killed = subprocess.run([sys.executable, KILLER, str(kill_after), 'train', *args, '--experiment', 'killed'],
+                            cwd=ROOT, env=env, capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr[-2000:]
     out = os.path.join(tmp_path, 'killed')
-    assert [r['epoch'] for r in read_csv(os.path.join(out, 'summary.csv'))] == ['0']
+    done = ['0'] if accum == 1 else ['0', '1']
+    assert [r['epoch'] for r in read_csv(os.path.join(out, 'summary.csv'))] == done
     resumed = subprocess.run([sys.executable, 'train.py', *args, '--resume', os.path.join(out, 'state.safetensors')],
                              cwd=ROOT, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -137,10 +141,13 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path, guided):
 
 
 @pytest.mark.slow
-def test_two_process_ddp_gloo(tmp_path):
+@pytest.mark.parametrize('accum', [1, 3])
+def test_two_process_ddp_gloo(tmp_path, accum):
     torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
     cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix', '--device', 'cpu',
            '--output', str(tmp_path), '--experiment', 'ddp']  # gloo on the CPU, also where one GPU is present
+    if accum > 1:  # 2 batches a rank and epoch: one group of both, the first under DDP's no_sync
+        cmd += ['--grad-accum-steps', str(accum)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

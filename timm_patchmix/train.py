@@ -97,6 +97,9 @@ def _model_flags(g) -> None:
 def _optimizer_flags(g) -> None:
     g.add_argument('-b', '--batch-size', type=VALUE_TYPES['batch_size'], default=None)
     g.add_argument('-vb', '--validation-batch-size', type=VALUE_TYPES['validation_batch_size'], default=None)
+    g.add_argument('--grad-accum-steps', type=VALUE_TYPES['grad_accum_steps'], default=1, metavar='N',
+                   help="add up the gradients of N batches for each optimizer update (timm's): an update's batch is "
+                        "-b x N x processes, which timm's lr rule (--lr-base) scales to")
     g.add_argument('--opt', default=None)
     g.add_argument('--opt-eps', type=VALUE_TYPES['opt_eps'], default=None)
     g.add_argument('--opt-betas', type=VALUE_TYPES['opt_betas'], nargs='+', default=None)

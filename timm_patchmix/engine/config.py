@@ -57,7 +57,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'num_classes': positive_int, 'in_chans': positive_int, 'img_size': positive_int, 'input_size': positive_int,
     'drop': probability, 'drop_path': probability,
     # optimizer and schedule
-    'batch_size': positive_int, 'validation_batch_size': positive_int, 'opt_eps': nonneg_float,
+    'batch_size': positive_int, 'validation_batch_size': positive_int, 'grad_accum_steps': positive_int,
+    'opt_eps': nonneg_float,
     'opt_betas': fraction, 'momentum': nonneg_float, 'weight_decay': nonneg_float, 'clip_grad': nonneg_float,
     'lr': positive_float, 'lr_base': positive_float, 'lr_base_size': positive_int, 'min_lr': nonneg_float,
     'warmup_lr': nonneg_float, 'epochs': positive_int, 'warmup_epochs': nonneg_int, 'cooldown_epochs': nonneg_int,
@@ -184,6 +185,7 @@ class TrainConfig:
     # optimizer and schedule
     batch_size: Optional[int] = None
     validation_batch_size: Optional[int] = None
+    grad_accum_steps: int = 1  # batches whose gradients add up to one optimizer update
     opt: Optional[str] = None
     opt_eps: Optional[float] = None
     opt_betas: Optional[Tuple[float, ...]] = None
@@ -476,12 +478,13 @@ def _check_optimizer(opt: str) -> None:
 
 
 def scaled_lr(cfg: TrainConfig, world_size: int = 1) -> float:
-    """``cfg.lr``, or timm's rule when it is ``None``: ``lr_base`` scaled by the global batch over ``lr_base_size``,
-    linearly (square root for Ada*/LAMB optimizers, unless ``lr_base_scale`` says otherwise)."""
+    """``cfg.lr``, or timm's rule when it is ``None``: ``lr_base`` scaled by the global batch (the batch of one
+    update: ``batch_size`` x ``world_size`` x ``grad_accum_steps``) over ``lr_base_size``, linearly (square root for
+    Ada*/LAMB optimizers, unless ``lr_base_scale`` says otherwise)."""
     if cfg.lr is not None:
         return cfg.lr
     scale = cfg.lr_base_scale or ('sqrt' if any(o in cfg.opt.lower() for o in ('ada', 'lamb')) else 'linear')
-    ratio = cfg.batch_size * world_size / cfg.lr_base_size
+    ratio = cfg.batch_size * world_size * cfg.grad_accum_steps / cfg.lr_base_size
     return cfg.lr_base * (math.sqrt(ratio) if scale == 'sqrt' else ratio)
 
 

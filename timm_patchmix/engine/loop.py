@@ -15,14 +15,15 @@ from .config import TrainConfig
 from .errors import NonFiniteLossError
 from .runtime import Runtime, reduce_sum
 
-__all__ = ['StepEvent', 'Stepper', 'amp_setup', 'clip_parameters', 'train_step', 'train_one_epoch', 'validate',
-           'PatchVote', 'predictor']
+__all__ = ['StepEvent', 'Stepper', 'amp_setup', 'clip_parameters', 'train_step', 'accumulation', 'updates_per_epoch',
+           'train_one_epoch', 'validate', 'PatchVote', 'predictor']
 
 
 @dataclass(frozen=True)
 class StepEvent:
-    """What ``on_step`` hears after each optimizer step: the epoch, the step in it (1-based) of ``steps``, the
-    run's update count (continued across a resume) and the step's loss."""
+    """What ``on_step`` hears after each training batch: the epoch, the step (batch) in it (1-based) of ``steps``,
+    the run's optimizer-update count (continued across a resume; with ``--grad-accum-steps N`` it grows at the last
+    batch of each group of N) and the batch's loss."""
     epoch: int
     step: int
     steps: int
@@ -82,9 +83,15 @@ def clip_parameters(model: nn.Module, mode: str) -> List[nn.Parameter]:
     return keep
 
 
-def train_step(s: Stepper, x: torch.Tensor, target: torch.Tensor) -> float:
-    """One optimizer step on a batch: move it to the device, mix it (``s.mixer``), forward, loss, backward, clip
-    (``timm.utils.dispatch_clip_grad``) and step. Returns the loss (not checked for finiteness here)."""
+def train_step(s: Stepper, x: torch.Tensor, target: torch.Tensor, *, accum: int = 1, first: bool = True,
+               update: bool = True) -> float:
+    """One batch: move it to the device, mix it (``s.mixer``), forward, loss and backward; with ``update``, then clip
+    (``timm.utils.dispatch_clip_grad``) and step the optimizer. Under gradient accumulation the batch is one of
+    ``accum`` whose gradients add up to an update, as in timm's train.py: the loss is divided by ``accum`` before
+    its backward, the gradients are cleared before the backward of the group's ``first`` batch (and kept after the
+    update, as without accumulation), ``update`` is true for the group's last batch alone, and the others run
+    under DDP's ``no_sync`` (their gradients reduce with the last one's). Returns the batch's loss, undivided (not
+    checked for finiteness here)."""
     from timm.utils import dispatch_clip_grad
     cfg = s.cfg
     if not isinstance(x, torch.Tensor) or x.device != s.device:
@@ -93,22 +100,47 @@ def train_step(s: Stepper, x: torch.Tensor, target: torch.Tensor) -> float:
         x, target = s.mixer(x, target)
     if cfg.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    with s.autocast():
-        loss = s.criterion(s.model(x), target)
-    s.optimizer.zero_grad(set_to_none=True)
-    clip = cfg.clip_grad or None
-    params = clip_parameters(s.model, cfg.clip_mode) if clip else None
-    if s.scaler is not None:
-        s.scaler(loss, s.optimizer, clip_grad=clip, clip_mode=cfg.clip_mode, parameters=params)
-    else:
-        loss.backward()
-        if clip:
-            dispatch_clip_grad(params, clip, mode=cfg.clip_mode)
-        s.optimizer.step()
-    s.updates += 1
-    if cfg.sched_on_updates and s.scheduler is not None:
-        s.scheduler.step_update(num_updates=s.updates)
+    no_sync = getattr(s.model, 'no_sync', None)  # DDP's: no gradient reduction before the group's last batch
+    with nullcontext() if update or no_sync is None else no_sync():
+        with s.autocast():
+            loss = s.criterion(s.model(x), target)
+        part = loss / accum if accum > 1 else loss
+        if first:
+            s.optimizer.zero_grad(set_to_none=True)
+        clip = cfg.clip_grad or None
+        params = clip_parameters(s.model, cfg.clip_mode) if clip and update else None
+        if s.scaler is not None:
+            s.scaler(part, s.optimizer, clip_grad=clip, clip_mode=cfg.clip_mode, parameters=params,
+                     need_update=update)
+        else:
+            part.backward()
+            if update:
+                if clip:
+                    dispatch_clip_grad(params, clip, mode=cfg.clip_mode)
+                s.optimizer.step()
+    if update:
+        s.updates += 1
+        if cfg.sched_on_updates and s.scheduler is not None:
+            s.scheduler.step_update(num_updates=s.updates)
     return float(loss.detach())  # the step's one host sync
+
+
+def accumulation(steps: int, accum: int) -> List[Tuple[int, bool, bool]]:
+    """``(accum, first, update)`` for each of an epoch's ``steps`` batches under ``--grad-accum-steps accum``
+    (:func:`train_step`'s arguments): groups of ``accum`` batches, each ending in an update; a last group of fewer
+    batches (``steps`` not a multiple of ``accum``) divides its loss by its own size and updates at the epoch's last
+    batch, as timm's train.py does."""
+    out = []
+    for i in range(steps):
+        start = i - i % accum
+        size = min(accum, steps - start)
+        out.append((size, i == start, i == start + size - 1))
+    return out
+
+
+def updates_per_epoch(steps: int, accum: int) -> int:
+    """The optimizer updates of an epoch of ``steps`` batches: one per group of ``accum`` batches."""
+    return -(-steps // accum)
 
 
 def _check_finite(loss: float, epoch: int, step: int, steps: int, rt: Runtime) -> None:
@@ -132,8 +164,10 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
     t0 = time.perf_counter()
     bar = tqdm(loader, desc=f'train {epoch}', disable=not rt.primary or cfg.no_progress, leave=False, unit='batch',
                dynamic_ncols=True)
+    groups = accumulation(steps, cfg.grad_accum_steps)
     for i, (x, target) in enumerate(bar):
-        loss = train_step(s, x, target)
+        accum, first, update = groups[i]
+        loss = train_step(s, x, target, accum=accum, first=first, update=update)
         _check_finite(loss, epoch, i + 1, steps, rt)
         losses.update(loss, x.shape[0])
         if rt.primary:

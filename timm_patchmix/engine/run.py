@@ -15,7 +15,7 @@ from ..locking import hold_folder
 from .config import TrainConfig, resolve
 from .errors import TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
-from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, validate
+from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
 from .records import (ResumePoint, load_resume, load_scheduler_state, resume_settings, save_epoch, scheduler_state,
                       weights_meta, write_args, write_start)
@@ -131,7 +131,8 @@ def _criterion(cfg: TrainConfig) -> nn.Module:
 
 
 def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
-    """timm's optimizer and scheduler for a resolved ``cfg``; returns them with the number of epochs."""
+    """timm's optimizer and scheduler for a resolved ``cfg``, ``steps_per_epoch`` its optimizer updates per epoch
+    (:func:`~timm_patchmix.engine.loop.updates_per_epoch`); returns them with the number of epochs."""
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
     opt_kwargs = dict(momentum=cfg.momentum)
@@ -172,7 +173,8 @@ def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
 
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:
     cfg, data, model, model_kwargs, loaders, frozen = _setup(cfg, rt, log_data_config)
-    optimizer, scheduler, num_epochs = _optimization(cfg, model, len(loaders.train))
+    optimizer, scheduler, num_epochs = _optimization(cfg, model,
+                                                     updates_per_epoch(len(loaders.train), cfg.grad_accum_steps))
     settings = resume_settings(cfg.record())
     start = load_resume(cfg, settings)
     if start.model_state is not None:
@@ -203,8 +205,9 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
             images = (f'{len(data.train)} train / {len(data.val)} held-out val ({cfg.holdout:g} of split '
                       f'{cfg.train_split!r}, seed {cfg.holdout_seed}) / {len(data.test)} test images'
                       if data.test is not None else f'{len(data.train)} train / {len(data.val)} val images')
+            accum = f' x {cfg.grad_accum_steps} accumulated' if cfg.grad_accum_steps > 1 else ''
             _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
-                     f'epochs, batch {cfg.batch_size} x {rt.world_size}, lr {cfg.lr:g}, output {out_dir}')
+                     f'epochs, batch {cfg.batch_size} x {rt.world_size}{accum}, lr {cfg.lr:g}, output {out_dir}')
         writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
                               weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper,
                               args_pending=args_pending)
