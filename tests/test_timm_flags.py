@@ -196,7 +196,7 @@ def _not_offered():
 
 def test_the_documented_missing_timm_flags_are_refused(capsys):
     flags = _not_offered()
-    assert len(flags) == 62 and len(set(flags)) == len(flags)
+    assert len(flags) == 54 and len(set(flags)) == len(flags)
     options = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
     assert not set(flags) & options  # a flag added to train.py leaves the list
     for flag in flags:
@@ -204,3 +204,84 @@ def test_the_documented_missing_timm_flags_are_refused(capsys):
             train_cli.resolve_args([flag, '1'] if flag != '-d' else [flag, 'x'])
         assert e.value.code == 2
         assert f'unrecognized arguments: {flag}' in capsys.readouterr().err, flag
+
+
+# --- timm's scheduler options -------------------------------------------------------------------------------------
+def _epoch_lrs(argv, epochs):
+    """The lr of each epoch under ``train.py``'s flags ``argv`` (resolved on resnet8_cifar), stepped as the loop steps
+    the scheduler, and the number of epochs timm's factory makes of them."""
+    cfg = train_cli.parse_config(['--model', 'resnet8_cifar', '--lr', '0.1', '--min-lr', '0', '--warmup-lr', '0.01',
+                                  '--sched', 'cosine'] + argv)
+    m = _model()
+    cfg = resolve(cfg, model=m, num_classes=10, data_config=timm.data.resolve_data_config({}, model=m))
+    optimizer, scheduler, num_epochs = _optimization(cfg, m, steps_per_epoch=1)
+    out = []
+    for epoch in range(epochs):
+        out.append(optimizer.param_groups[0]['lr'])
+        scheduler.step(epoch + 1, 0.0)
+    return out, num_epochs
+
+
+def _cosine(t, span, peak, k=1.0):
+    import math
+    return 0.5 * peak * (1 + math.cos(math.pi * t ** k / span ** k))
+
+
+def test_cycles_restart_the_cosine_and_lengthen_the_run():
+    lrs, epochs = _epoch_lrs(['--epochs', '4', '--warmup-epochs', '0', '--lr-cycle-limit', '2'], 8)
+    assert epochs == 8  # timm's train.py: --epochs per cycle
+    assert lrs == pytest.approx([_cosine(t, 4, 0.1) for t in range(4)] + [_cosine(t, 4, 0.05) for t in range(4)])
+    lrs, epochs = _epoch_lrs(['--epochs', '4', '--warmup-epochs', '0', '--lr-cycle-limit', '2', '--lr-cycle-decay',
+                              '1.0', '--lr-cycle-mul', '2'], 12)
+    assert epochs == 12  # cycles of 4 and 8 epochs
+    assert lrs == pytest.approx([_cosine(t, 4, 0.1) for t in range(4)] + [_cosine(t, 8, 0.1) for t in range(8)])
+    lrs, epochs = _epoch_lrs(['--epochs', '4', '--warmup-epochs', '0'], 4)
+    assert epochs == 4 and lrs == pytest.approx([_cosine(t, 4, 0.1) for t in range(4)])  # the default: one cycle
+
+
+def test_k_decay_and_warmup_prefix_shape_the_schedule():
+    lrs, _ = _epoch_lrs(['--epochs', '4', '--warmup-epochs', '0', '--lr-k-decay', '2'], 4)
+    assert lrs == pytest.approx([_cosine(t, 4, 0.1, k=2) for t in range(4)])
+    # warm-up 2 epochs from 0.01: without the prefix the 6 epochs of the cosine count them; with it the whole cosine
+    # follows them, and the run is 2 epochs longer (timm's)
+    counted, n_counted = _epoch_lrs(['--epochs', '6', '--warmup-epochs', '2'], 6)
+    prefixed, n_prefixed = _epoch_lrs(['--epochs', '6', '--warmup-epochs', '2', '--warmup-prefix'], 8)
+    assert (n_counted, n_prefixed) == (6, 8)
+    assert counted[:2] == prefixed[:2] == pytest.approx([0.01, 0.055])
+    assert counted[2:] == pytest.approx([_cosine(t, 6, 0.1) for t in range(2, 6)])
+    assert prefixed[2:] == pytest.approx([_cosine(t, 6, 0.1) for t in range(6)])
+
+
+def test_lr_noise_is_bounded_seeded_and_only_where_asked():
+    base = ['--epochs', '10', '--warmup-epochs', '0']
+    clean, _ = _epoch_lrs(base, 10)
+    noisy, _ = _epoch_lrs(base + ['--lr-noise', '0.5', '--lr-noise-pct', '0.2'], 10)
+    again, _ = _epoch_lrs(base + ['--lr-noise', '0.5', '--lr-noise-pct', '0.2'], 10)
+    other, _ = _epoch_lrs(base + ['--lr-noise', '0.5', '--lr-noise-pct', '0.2', '--seed', '7'], 10)
+    assert noisy == again and noisy != other  # seeded by --seed, as in timm: a resume replays it
+    assert noisy[:5] == pytest.approx(clean[:5])  # from half the epochs on
+    assert any(abs(n / c - 1) > 1e-3 for n, c in zip(noisy[5:-1], clean[5:-1]))
+    assert all(abs(n / c - 1) <= 0.2 + 1e-9 for n, c in zip(noisy[5:-1], clean[5:-1]))
+    window, _ = _epoch_lrs(base + ['--lr-noise', '0.2', '0.5'], 10)  # between two fractions
+    assert window[:2] == pytest.approx(clean[:2]) and window[5:] == pytest.approx(clean[5:])
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--lr-noise', '0.1', '0.2', '0.3'], 'a sequence of 1 to 2 values'),
+    (['--lr-cycle-limit', '0'], 'must be an integer >= 1'),
+    (['--lr-cycle-mul', '0'], 'must be a finite number > 0'),
+    (['--lr-k-decay', '-1'], 'must be a finite number > 0'),
+    (['--lr-noise-pct', '-0.1'], 'must be a finite number >= 0'),
+])
+def test_bad_scheduler_options_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_cli.resolve_args(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_cycled_run_trains_every_cycle(tmp_path):
+    res = train_cli.main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress',
+                          '--epochs', '1', '--lr-cycle-limit', '2', '--lr-cycle-decay', '0.5', '--lr', '0.1',
+                          '--output', str(tmp_path), '--experiment', 'cycles'])
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+    assert [r['lr'] for r in res['rows']] == pytest.approx([0.1, 0.05])  # each cycle one epoch at its peak

@@ -128,6 +128,20 @@ def _optimizer_flags(g) -> None:
     g.add_argument('--decay-rate', '--dr', type=VALUE_TYPES['decay_rate'], default=0.1)
     g.add_argument('--patience-epochs', type=VALUE_TYPES['patience_epochs'], default=10,
                    help='--sched plateau: epochs without a better --eval-metric before the lr decays')
+    g.add_argument('--warmup-prefix', action='store_true', default=False,
+                   help='the schedule starts after the warm-up epochs instead of counting them')
+    g.add_argument('--lr-noise', type=VALUE_TYPES['lr_noise'], nargs='+', default=None, metavar='FRACTION',
+                   help='noise on the lr from this fraction of the epochs on (or between two fractions)')
+    g.add_argument('--lr-noise-pct', type=VALUE_TYPES['lr_noise_pct'], default=0.67,
+                   help="--lr-noise's bound, a fraction of the lr")
+    g.add_argument('--lr-noise-std', type=VALUE_TYPES['lr_noise_std'], default=1.0, help="--lr-noise's std-dev")
+    g.add_argument('--lr-cycle-mul', type=VALUE_TYPES['lr_cycle_mul'], default=1.0,
+                   help='cosine/tanh: each cycle this many times as long as the one before')
+    g.add_argument('--lr-cycle-decay', type=VALUE_TYPES['lr_cycle_decay'], default=0.5,
+                   help="cosine/tanh: each cycle's peak lr this times the one before")
+    g.add_argument('--lr-cycle-limit', type=VALUE_TYPES['lr_cycle_limit'], default=1,
+                   help='cosine/tanh: cycles (restarts when > 1; the run trains --epochs per cycle, as in timm)')
+    g.add_argument('--lr-k-decay', type=VALUE_TYPES['lr_k_decay'], default=1.0, help='cosine/poly: k-decay')
     g.add_argument('--recipe', choices=sorted(RECIPES), default=None,
                    help="defaults for unset flags: 'demo' (the default with the embedded data), 'timm' (timm's "
                         "train.py defaults, the default otherwise) or 'paper-cifar'")

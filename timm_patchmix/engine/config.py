@@ -63,7 +63,9 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'lr': positive_float, 'lr_base': positive_float, 'lr_base_size': positive_int, 'min_lr': nonneg_float,
     'warmup_lr': nonneg_float, 'epochs': positive_int, 'warmup_epochs': nonneg_int, 'cooldown_epochs': nonneg_int,
     'decay_epochs': positive_float, 'decay_rate': positive_float, 'decay_milestones': positive_int,
-    'patience_epochs': nonneg_int,
+    'patience_epochs': nonneg_int, 'lr_noise': nonneg_float, 'lr_noise_pct': nonneg_float, 'lr_noise_std': nonneg_float,
+    'lr_cycle_mul': positive_float, 'lr_cycle_decay': nonneg_float, 'lr_cycle_limit': positive_int,
+    'lr_k_decay': positive_float,
     # mixing and loss
     'mixup': nonneg_float, 'cutmix': nonneg_float, 'cutmix_minmax': probability, 'mixup_prob': probability,
     'mixup_switch_prob': probability, 'mixup_off_epoch': nonneg_int, 'smoothing': fraction, 'grid': positive_int,
@@ -76,7 +78,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
 # no maximum); ``grid`` (P or rows cols) is checked by normal_grid
 SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
     'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None),
-    'decay_milestones': (1, None)}
+    'decay_milestones': (1, None), 'lr_noise': (1, 2)}
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
 PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
 # settings no flag sets: the command line itself, and those resolved from the model (see resolve)
@@ -208,6 +210,15 @@ class TrainConfig:
     decay_milestones: Tuple[int, ...] = (90, 180, 270)
     decay_rate: float = 0.1
     patience_epochs: int = 10
+    # timm's scheduler options, with its train.py's defaults (see timm.scheduler.create_scheduler_v2)
+    warmup_prefix: bool = False
+    lr_noise: Optional[Tuple[float, ...]] = None
+    lr_noise_pct: float = 0.67
+    lr_noise_std: float = 1.0
+    lr_cycle_mul: float = 1.0
+    lr_cycle_decay: float = 0.5
+    lr_cycle_limit: int = 1
+    lr_k_decay: float = 1.0
     recipe: Optional[str] = None
     # mixing and loss
     mixup: float = 0.0

@@ -146,6 +146,9 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         cooldown_epochs=cfg.cooldown_epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
         warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=steps_per_epoch,
         decay_milestones=list(cfg.decay_milestones), patience_epochs=cfg.patience_epochs,
+        warmup_prefix=cfg.warmup_prefix, noise=list(cfg.lr_noise) if cfg.lr_noise else None,
+        noise_pct=cfg.lr_noise_pct, noise_std=cfg.lr_noise_std, noise_seed=cfg.seed, cycle_mul=cfg.lr_cycle_mul,
+        cycle_decay=cfg.lr_cycle_decay, cycle_limit=cfg.lr_cycle_limit, k_decay=cfg.lr_k_decay,
         plateau_mode='min' if cfg.eval_metric == 'loss' else 'max')  # plateau: a lower loss is the better one
     return optimizer, scheduler, num_epochs
 
