@@ -235,7 +235,14 @@ def test_every_field_is_checked():
                or f.type.startswith(('Tuple', 'Optional[Tuple'))}
     assert numeric == set(VALUE_TYPES)
     rest = set(FIELDS) - set(VALUE_TYPES) - set(config._BOOLS) - set(config._STRINGS)
-    assert rest == {'model_kwargs', 'data_config'}
+    assert rest == {'model_kwargs', 'opt_kwargs', 'data_config'} and set(config.KWARGS) == rest - {'data_config'}
+    for name in config.KWARGS:  # keyword arguments by name, checked as such
+        flag = '--' + name.replace('_', '-')
+        with pytest.raises(ConfigError, match=f'argument {flag}: must be a dict of keyword arguments by name'):
+            TrainConfig(**{name: [('a', 1)]})
+        with pytest.raises(ConfigError, match=f'argument {flag}: must be a dict'):
+            TrainConfig(**{name: {1: 2}})
+        assert getattr(TrainConfig(**{name: {'a': 1}}), name) == {'a': 1}
     assert set(PATHS) <= set(config._STRINGS) and set(UNFLAGGED) <= set(FIELDS)
 
 

@@ -92,6 +92,8 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--opt', 'adamw'], [('--opt', "'sgd'", "'adamw'")]),
     ('mixup', None, ['--momentum', '0.5'], [('--momentum', '0.9', '0.5')]),
     ('mixup', None, ['--opt-eps', '1e-6'], [('--opt-eps', 'None', '1e-06')]),
+    ('mixup', None, ['--opt-kwargs', 'dampening=0.0'], [('--opt-kwargs', '{}', "{'dampening': 0.0}")]),
+    ('mixup', None, ['--layer-decay', '0.75'], [('--layer-decay', 'None', '0.75')]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained

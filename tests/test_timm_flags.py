@@ -196,7 +196,7 @@ def _not_offered():
 
 def test_the_documented_missing_timm_flags_are_refused(capsys):
     flags = _not_offered()
-    assert len(flags) == 54 and len(set(flags)) == len(flags)
+    assert len(flags) == 52 and len(set(flags)) == len(flags)
     options = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
     assert not set(flags) & options  # a flag added to train.py leaves the list
     for flag in flags:
@@ -285,3 +285,51 @@ def test_a_cycled_run_trains_every_cycle(tmp_path):
                           '--output', str(tmp_path), '--experiment', 'cycles'])
     assert [r['epoch'] for r in res['rows']] == [0, 1]
     assert [r['lr'] for r in res['rows']] == pytest.approx([0.1, 0.05])  # each cycle one epoch at its peak
+
+
+# --- timm's optimizer options -------------------------------------------------------------------------------------
+def _optimizer(argv, model_name='resnet8_cifar'):
+    m = timm.create_model(model_name, num_classes=10)
+    cfg = train_cli.parse_config(['--model', model_name] + argv)
+    cfg = resolve(cfg, model=m, num_classes=10, data_config=timm.data.resolve_data_config({}, model=m))
+    return _optimization(cfg, m, steps_per_epoch=1)[0], m
+
+
+def test_opt_kwargs_reach_the_optimizer():
+    opt, _ = _optimizer(['--opt', 'adamw', '--opt-kwargs', 'amsgrad=True', 'maximize=False'])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults['amsgrad'] is True
+    opt, _ = _optimizer(['--opt', 'adamw'])
+    assert opt.defaults['amsgrad'] is False
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--opt', 'adamw', '--opt-kwargs', 'foo=1'], "optimizer adamw does not take foo=1"),
+    (['--opt', 'adamw', '--opt-eps', '1e-6', '--opt-kwargs', 'eps=1e-3'], 'eps is set by --opt-eps'),
+    (['--opt-kwargs', 'lr=1.0'], 'lr is set by --lr'),
+    (['--opt-kwargs', 'momentum=0.5'], 'momentum is set by --momentum'),
+])
+def test_bad_opt_kwargs_are_usage_errors_before_anything_is_written(argv, message, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=message) as e:
+        _optimizer(argv)
+    assert e.value.flag == '--opt-kwargs'
+    with pytest.raises(SystemExit) as e:  # on the command line: exit 2, and no run folder
+        train_cli.main(argv + ['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--output',
+                               str(tmp_path), '--experiment', 'x'])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / 'x').exists()
+
+
+def test_layer_decay_scales_each_layer_and_keeps_the_patch_head_at_the_full_lr():
+    def scales(opt, model):
+        names = {id(p): n for n, p in model.named_parameters()}
+        return {names[id(p)]: g['lr_scale'] for g in opt.param_groups for p in g['params']}
+    plain = scales(*_optimizer(['--layer-decay', '0.5']))
+    assert plain['conv1.weight'] == pytest.approx(0.5 ** 4) and plain['fc.weight'] == 1.0
+    assert sorted(set(plain.values())) == pytest.approx([0.0625, 0.125, 0.25, 0.5, 1.0])  # stem, 3 stages, head
+    head = scales(*_optimizer(['--layer-decay', '0.5'], 'patchhead_resnet8_cifar'))
+    # the backbone's layers as in the plain model, the patch head with the classifier
+    assert {n[len('backbone.'):]: v for n, v in head.items() if n.startswith('backbone.')} == plain
+    patch = {n: v for n, v in head.items() if not n.startswith('backbone.')}
+    assert patch and all(n.startswith('patch_head.') for n in patch) and set(patch.values()) == {1.0}
+    opt, _ = _optimizer([])
+    assert all('lr_scale' not in g for g in opt.param_groups)  # off by default

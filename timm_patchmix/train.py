@@ -105,6 +105,11 @@ def _optimizer_flags(g) -> None:
     g.add_argument('--opt-betas', type=VALUE_TYPES['opt_betas'], nargs='+', default=None)
     g.add_argument('--momentum', type=VALUE_TYPES['momentum'], default=None)
     g.add_argument('--weight-decay', type=VALUE_TYPES['weight_decay'], default=None)
+    g.add_argument('--opt-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                   help="extra keyword arguments of the optimizer (timm's), e.g. amsgrad=True")
+    g.add_argument('--layer-decay', type=VALUE_TYPES['layer_decay'], default=None,
+                   help="layer-wise lr decay (timm's): each layer group's lr this times the next one's, by the "
+                        "model's group_matcher (the classifier and a patch head at the full lr)")
     g.add_argument('--clip-grad', type=VALUE_TYPES['clip_grad'], default=None, help='0: no clipping')
     g.add_argument('--clip-mode', default='norm', choices=CLIP_MODES,
                    help="timm's dispatch_clip_grad: 'norm', 'value' or 'agc' (adaptive, --clip-grad is the ratio)")

@@ -59,7 +59,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     # optimizer and schedule
     'batch_size': positive_int, 'validation_batch_size': positive_int, 'grad_accum_steps': positive_int,
     'opt_eps': nonneg_float,
-    'opt_betas': fraction, 'momentum': nonneg_float, 'weight_decay': nonneg_float, 'clip_grad': nonneg_float,
+    'opt_betas': fraction, 'momentum': nonneg_float, 'weight_decay': nonneg_float, 'layer_decay': positive_float,
+    'clip_grad': nonneg_float,
     'lr': positive_float, 'lr_base': positive_float, 'lr_base_size': positive_int, 'min_lr': nonneg_float,
     'warmup_lr': nonneg_float, 'epochs': positive_int, 'warmup_epochs': nonneg_int, 'cooldown_epochs': nonneg_int,
     'decay_epochs': positive_float, 'decay_rate': positive_float, 'decay_milestones': positive_int,
@@ -79,6 +80,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
 SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
     'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None),
     'decay_milestones': (1, None), 'lr_noise': (1, 2)}
+# settings of keyword arguments by name (timm's ParseKwargs flags), for the model and the optimizer
+KWARGS = ('model_kwargs', 'opt_kwargs')
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
 PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
 # settings no flag sets: the command line itself, and those resolved from the model (see resolve)
@@ -193,6 +196,10 @@ class TrainConfig:
     opt_betas: Optional[Tuple[float, ...]] = None
     momentum: Optional[float] = None
     weight_decay: Optional[float] = None
+    # timm's optimizer factory: extra keyword arguments of the optimizer, and layer-wise lr decay (by the model's
+    # group_matcher: each layer's lr is this times the one above it, the classifier and a patch head at the full lr)
+    opt_kwargs: Dict[str, Any] = field(default_factory=dict)
+    layer_decay: Optional[float] = None
     clip_grad: Optional[float] = None
     clip_mode: str = 'norm'
     sched: Optional[str] = None
@@ -291,11 +298,11 @@ class TrainConfig:
             object.__setattr__(self, 'grid', normal_grid(self.grid))
         except ConfigError as e:
             raise ConfigError(f'{e.message} (TrainConfig.grid)', e.flag) from None
-        kwargs = self.model_kwargs
-        if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):
-            raise ConfigError(f'must be a dict of keyword arguments by name, got {kwargs!r} '
-                              f'(TrainConfig.model_kwargs)', '--model-kwargs')
-        object.__setattr__(self, 'model_kwargs', dict(kwargs or {}))
+        for name in KWARGS:
+            kwargs = getattr(self, name)
+            if kwargs is not None:
+                _check_kwargs(name, kwargs)
+            object.__setattr__(self, name, dict(kwargs or {}))
 
     def _check(self) -> None:
         """Each value of its type and in its range (:data:`VALUE_TYPES`, the flags' own), each choice one of its
@@ -452,16 +459,20 @@ def check_setting(name: str, value: Any) -> None:
         raise _value_error(name, value)
     if name in PATHS and isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if name == 'model_kwargs':
-        if not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
-            raise ConfigError(f'must be a dict of keyword arguments by name, got {value!r} '
-                              f'(TrainConfig.model_kwargs)', '--model-kwargs')
+    if name in KWARGS:
+        _check_kwargs(name, value)
         return
     _check_field(name, value)
     allowed = CHOICES.get(name)
     if allowed is not None and value is not None and value not in allowed:
         raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))}) '
                           f'(TrainConfig.{name})', _flag(name))
+
+
+def _check_kwargs(name: str, value: Any) -> None:
+    if not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+        raise ConfigError(f'must be a dict of keyword arguments by name, got {value!r} (TrainConfig.{name})',
+                          _flag(name))
 
 
 def _value_error(name: str, value: Any) -> ConfigError:

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..locking import hold_folder
 from .config import TrainConfig, resolve
-from .errors import TrainSetupError
+from .errors import ConfigError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
@@ -140,7 +140,22 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         opt_kwargs['eps'] = cfg.opt_eps
     if cfg.opt_betas is not None:
         opt_kwargs['betas'] = cfg.opt_betas
-    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, **opt_kwargs)
+    if cfg.layer_decay is not None:
+        opt_kwargs['layer_decay'] = cfg.layer_decay
+    clash = sorted(set(cfg.opt_kwargs) & (set(opt_kwargs) | {'lr', 'weight_decay', 'opt', 'model_or_params'}))
+    if clash:
+        flags = {'eps': '--opt-eps', 'betas': '--opt-betas', 'layer_decay': '--layer-decay', 'lr': '--lr',
+                 'weight_decay': '--weight-decay', 'momentum': '--momentum'}
+        raise ConfigError(f'{clash[0]} is set by {flags.get(clash[0], "train.py itself")}; leave it out of '
+                          f'--opt-kwargs', '--opt-kwargs')
+    try:
+        optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                        **opt_kwargs, **cfg.opt_kwargs)
+    except TypeError as e:
+        if not cfg.opt_kwargs or 'keyword argument' not in str(e):
+            raise
+        given = ', '.join(f'{k}={v!r}' for k, v in cfg.opt_kwargs.items())
+        raise ConfigError(f'optimizer {cfg.opt} does not take {given} ({e})', '--opt-kwargs') from None
     scheduler, num_epochs = create_scheduler_v2(
         optimizer, sched=cfg.sched, num_epochs=cfg.epochs, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
         cooldown_epochs=cfg.cooldown_epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
