@@ -94,6 +94,7 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--opt-eps', '1e-6'], [('--opt-eps', 'None', '1e-06')]),
     ('mixup', None, ['--opt-kwargs', 'dampening=0.0'], [('--opt-kwargs', '{}', "{'dampening': 0.0}")]),
     ('mixup', None, ['--layer-decay', '0.75'], [('--layer-decay', 'None', '0.75')]),
+    ('mixup', None, ['--model-ema'], [('--model-ema', 'False', 'True')]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained
@@ -127,6 +128,28 @@ def test_train_resume_of_an_older_state_compares_its_args(trained, tmp_path):
     assert snapshot(old_root) == before
     res = resume_train(old_root, 'mixup', runs['mixup'])  # its own settings still resume
     assert [r['epoch'] for r in res['rows']] == [0, 1]
+
+
+def test_train_resume_with_model_ema_of_an_older_state_without_an_average(trained, tmp_path):
+    """A state from before --model-ema was recorded, resumed with it: no average to resume, a one-line error, and
+    nothing written."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    root, runs = trained
+    old_root = tmp_path / 'old'
+    shutil.copytree(root / 'mixup', old_root / 'mixup')
+    path = str(old_root / 'mixup' / 'state.safetensors')
+    with safe_open(path, framework='pt') as f:
+        md = f.metadata()
+    meta = json.loads(md['timm_patchmix'])
+    del meta['settings']['--model-ema'], meta['args']['model_ema']
+    save_file(load_file(path), path, metadata=dict(md, timm_patchmix=json.dumps(meta)))
+    before = snapshot(old_root)
+    with pytest.raises(SystemExit) as e:
+        resume_train(old_root, 'mixup', runs['mixup'] + ['--model-ema'])
+    assert str(e.value).startswith(f'error: cannot resume from {path} with --model-ema: it holds no weight average')
+    assert snapshot(old_root) == before
 
 
 def test_train_resume_compares_the_table_by_content(trained, tmp_path):

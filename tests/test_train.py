@@ -107,14 +107,17 @@ def _all_pairs_table(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('guided, accum', [(False, 1), (True, 1), (False, 3)], ids=['random', 'guided', 'accum3'])
-def test_resume_after_kill_matches_uninterrupted(tmp_path, guided, accum):
+@pytest.mark.parametrize('guided, accum, ema', [(False, 1, False), (True, 1, False), (False, 3, False),
+                                                (False, 1, True)], ids=['random', 'guided', 'accum3', 'ema'])
+def test_resume_after_kill_matches_uninterrupted(tmp_path, guided, accum, ema):
     # on the CPU, also where a GPU is present: bit-identical replays need deterministic kernels
     args = TINY[:-1] + ['3', '--patchmix', '--output', str(tmp_path), '--device', 'cpu']
     if guided:  # the tensor mixer keeps a class memory across batches: each epoch starts it empty
         args += ['--patchmix-table', _all_pairs_table(str(tmp_path / 'masks.json'))]
     if accum > 1:  # 4 batches an epoch in groups of 3 and 1: 2 updates an epoch, so the kill after update 5 falls
         args += ['--grad-accum-steps', str(accum), '--sched-on-updates']  # in epoch 2, between its two groups
+    if ema:  # the weight average resumes too: the weights files hold it
+        args += ['--model-ema', '--model-ema-decay', '0.8', '--model-ema-warmup']
     kill_after = 6 if accum == 1 else 5
     env = dict(os.environ, PYTHONPATH=PYPATH)
     full = subprocess.run([sys.executable, 'train.py', *args, '--experiment', 'full'], cwd=ROOT, env=env,
@@ -141,13 +144,15 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path, guided, accum):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('accum', [1, 3])
-def test_two_process_ddp_gloo(tmp_path, accum):
+@pytest.mark.parametrize('accum, ema', [(1, False), (3, False), (1, True)], ids=['plain', 'accum3', 'ema'])
+def test_two_process_ddp_gloo(tmp_path, accum, ema):
     torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
     cmd = [torchrun, '--standalone', '--nproc_per_node', '2', 'train.py', *TINY, '--patchmix', '--device', 'cpu',
            '--output', str(tmp_path), '--experiment', 'ddp']  # gloo on the CPU, also where one GPU is present
     if accum > 1:  # 2 batches a rank and epoch: one group of both, the first under DDP's no_sync
         cmd += ['--grad-accum-steps', str(accum)]
+    if ema:  # each rank averages its own BatchNorm stats: reduced like the model's before validation
+        cmd += ['--model-ema', '--model-ema-decay', '0.5']
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -92,6 +92,14 @@ def _model_flags(g) -> None:
     g.add_argument('--drop-path', type=VALUE_TYPES['drop_path'], default=None)
     g.add_argument('--grad-checkpointing', action='store_true', default=False)
     g.add_argument('--torchcompile', nargs='?', const='inductor', default=None)
+    g.add_argument('--model-ema', action='store_true', default=False,
+                   help="keep timm's exponential moving average of the weights (ModelEmaV3), updated after each "
+                        "optimizer update: it is what each epoch evaluates, what --eval-metric selects and what "
+                        "best/last.safetensors hold")
+    g.add_argument('--model-ema-decay', type=VALUE_TYPES['model_ema_decay'], default=0.9998,
+                   help='the average\'s decay per update')
+    g.add_argument('--model-ema-warmup', action='store_true', default=False,
+                   help="timm's decay warm-up: a lower decay over the first updates, rising to --model-ema-decay")
 
 
 def _optimizer_flags(g) -> None:

@@ -55,7 +55,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'test_subset': positive_int,
     # model
     'num_classes': positive_int, 'in_chans': positive_int, 'img_size': positive_int, 'input_size': positive_int,
-    'drop': probability, 'drop_path': probability,
+    'drop': probability, 'drop_path': probability, 'model_ema_decay': fraction,
     # optimizer and schedule
     'batch_size': positive_int, 'validation_batch_size': positive_int, 'grad_accum_steps': positive_int,
     'opt_eps': nonneg_float,
@@ -187,6 +187,10 @@ class TrainConfig:
     drop_path: Optional[float] = None
     grad_checkpointing: bool = False
     torchcompile: Optional[str] = None
+    # timm's model EMA (timm.utils.ModelEmaV3): what is evaluated, selected and saved as weights
+    model_ema: bool = False
+    model_ema_decay: float = 0.9998
+    model_ema_warmup: bool = False
     # optimizer and schedule
     batch_size: Optional[int] = None
     validation_batch_size: Optional[int] = None
@@ -345,6 +349,9 @@ class TrainConfig:
                               f'FastCollateMixup), which {"--device-data" if self.device_data else "--no-prefetcher"} '
                               f'replaces with timm\'s Mixup; that one has no half mode and would mix the whole batch '
                               f'in batch mode. Choose elem, pair or batch', '--mixup-mode')
+        if not self.model_ema and (self.model_ema_warmup or self.model_ema_decay != _FIELDS['model_ema_decay'].default):
+            raise ConfigError(f'{"--model-ema-warmup" if self.model_ema_warmup else "--model-ema-decay"} sets the '
+                              f'weight average of --model-ema, which is off; add --model-ema')
         if self.device_data and self.patchmix_collate:
             raise ConfigError('--device-data makes batches on the device, where PatchMix mixes them too; '
                               '--patchmix-collate mixes in the data loader, which --device-data replaces. '

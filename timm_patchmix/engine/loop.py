@@ -47,6 +47,7 @@ class Stepper:
     scaler: Any = None
     updates: int = 0
     frozen: Tuple[nn.Module, ...] = ()
+    ema: Any = None  # --model-ema: timm's ModelEmaV3 of the unwrapped model, updated after each optimizer update
 
     def train_mode(self) -> None:
         """The model in training mode, except the frozen modules, which stay in eval mode."""
@@ -120,6 +121,9 @@ def train_step(s: Stepper, x: torch.Tensor, target: torch.Tensor, *, accum: int 
                 s.optimizer.step()
     if update:
         s.updates += 1
+        if s.ema is not None:  # timm's order: after the update, with the update count
+            from timm.utils import unwrap_model
+            s.ema.update(unwrap_model(s.model), step=s.updates)
         if cfg.sched_on_updates and s.scheduler is not None:
             s.scheduler.step_update(num_updates=s.updates)
     return float(loss.detach())  # the step's one host sync

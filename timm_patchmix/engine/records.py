@@ -28,7 +28,7 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
                    'no_prefetcher', 'device_data', 'smoothing', 'no_patch_loss', 'no_image_loss',
-                   'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe')
+                   'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
@@ -73,6 +73,7 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
                      'image_loss': not cfg.no_image_loss}
         if cfg.patch_head or cfg.patchmix else None,
         'command': cfg.command or None,
+        **({'model_ema': {'decay': cfg.model_ema_decay, 'warmup': cfg.model_ema_warmup}} if cfg.model_ema else {}),
     }
 
 
@@ -87,7 +88,11 @@ class ResumePoint:
     model_state: Optional[Dict[str, torch.Tensor]] = None
     optimizer_state: Optional[Dict[str, Any]] = None
     scheduler_state: Optional[Dict[str, Any]] = None
+    ema_state: Optional[Dict[str, torch.Tensor]] = None  # --model-ema's weights
 
+
+# the prefix of --model-ema's weights among a training state's extra tensors
+EMA_PREFIX = 'ema.'
 
 # the columns of summary.csv, one row per epoch
 ROW_KEYS = ('epoch', 'train_loss', 'eval_loss', 'eval_top1', 'eval_top5', 'lr', 'img_s')
@@ -129,8 +134,12 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
             isinstance(sched.get(k), (int, float)) and not isinstance(sched.get(k), bool) for k in SCHEDULER_KEYS)):
         raise TrainSetupError(f'cannot resume: {cfg.resume}: scheduler must hold the numbers '
                               f'{", ".join(SCHEDULER_KEYS)}, got {sched!r}')
+    ema = {k[len(EMA_PREFIX):]: v for k, v in st['extra'].items() if k.startswith(EMA_PREFIX)}
+    if cfg.model_ema and not ema:
+        raise TrainSetupError(f'cannot resume from {cfg.resume} with --model-ema: it holds no weight average (it '
+                              f'was trained without --model-ema)')
     return ResumePoint(int(meta['epoch']) + 1, rows, meta.get('best'), int(meta.get('updates', 0)), st['model'],
-                       st['optimizer'], sched)
+                       st['optimizer'], sched, ema or None)
 
 
 # what a plateau schedule counts between epochs (torch's ReduceLROnPlateau inside timm's PlateauLRScheduler), saved
@@ -175,13 +184,16 @@ def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> b
 
 
 def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, Any], state_meta: Dict[str, Any],
-               improved: bool) -> None:
+               improved: bool, ema: Optional[torch.nn.Module] = None) -> None:
     """An epoch's files: ``best.safetensors`` when it improved, ``last.safetensors``, ``state.safetensors`` (to
-    resume from) and ``summary.csv`` (``state_meta['rows']``), each written atomically."""
+    resume from) and ``summary.csv`` (``state_meta['rows']``), each written atomically. With ``ema`` (``--model-ema``'s
+    averaged model), the weights files hold its weights, the ones evaluated, and the state holds both."""
     from ..checkpoint import atomic_write_text, save_state, save_weights
     sd = model.state_dict()
+    weights = ema.state_dict() if ema is not None else sd
     if improved:
-        save_weights(os.path.join(out_dir, 'best.safetensors'), sd, meta)
-    save_weights(os.path.join(out_dir, 'last.safetensors'), sd, meta)
-    save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer, state_meta)
+        save_weights(os.path.join(out_dir, 'best.safetensors'), weights, meta)
+    save_weights(os.path.join(out_dir, 'last.safetensors'), weights, meta)
+    extra = {EMA_PREFIX + k: v for k, v in weights.items()} if ema is not None else None
+    save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer, state_meta, extra)
     atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(state_meta['rows']))

@@ -178,6 +178,22 @@ def _out_dir(cfg: TrainConfig) -> str:
     return os.path.join(cfg.output or os.path.join('.', 'output', 'train'), exp)
 
 
+def _model_ema(cfg: TrainConfig, model: nn.Module, start: ResumePoint):
+    """``--model-ema``: timm's ``ModelEmaV3`` of ``model`` (before any DDP or compile wrapper), holding a resumed
+    state's average; ``None`` without the flag."""
+    if not cfg.model_ema:
+        return None
+    from timm.utils import ModelEmaV3
+    ema = ModelEmaV3(model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup)
+    if start.ema_state is not None:
+        try:
+            ema.module.load_state_dict(start.ema_state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise TrainSetupError(f'cannot resume from {cfg.resume}: its weight average does not fit the model of '
+                                  f'this run: {e}') from None
+    return ema
+
+
 def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
     """The module that trains: compiled with ``--torchcompile``, in DDP over several processes."""
     if cfg.torchcompile:
@@ -207,9 +223,11 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     if start.start_epoch > 0:
         scheduler.step(start.start_epoch)
         load_scheduler_state(scheduler, start.scheduler_state)
+    ema = _model_ema(cfg, model, start)
+    evaluated = ema.module if ema is not None else model  # what each epoch evaluates and the weights files hold
     autocast, scaler = amp_setup(cfg, rt.device)
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
-                      autocast, scaler, start.updates, frozen)
+                      autocast, scaler, start.updates, frozen, ema)
     args_pending = False
     # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
     with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
@@ -233,10 +251,10 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
         test = None
         if loaders.test is not None:  # the test split, once: the final weights first
             test = {'final': _test_row(rows[-1]['epoch'] if rows else None,
-                                       validate(model, loaders.test, cfg, rt.device, stepper.autocast))}
-        fgsm = _fgsm(cfg, model, data, rt, out_dir) if cfg.fgsm and rt.primary else None
+                                       validate(evaluated, loaders.test, cfg, rt.device, stepper.autocast))}
+        fgsm = _fgsm(cfg, evaluated, data, rt, out_dir) if cfg.fgsm and rt.primary else None
         if test is not None:
-            test['best'] = _test_best(cfg, rt, model, loaders, stepper, out_dir, best, test['final'])
+            test['best'] = _test_best(cfg, rt, evaluated, loaders, stepper, out_dir, best, test['final'])
         splits = data.splits(cfg)
         if test is not None and rt.primary:
             _write_results(out_dir, cfg, splits, test, best)
@@ -319,10 +337,13 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
         if loaders.mixing is not None and (cfg.patchmix or not cfg.patch_head) and off and epoch >= off:
             loaders.mixing.mixup_enabled = False
         tr = train_one_epoch(stepper, loaders.train, epoch, rt, on_step)
+        evaluated = stepper.ema.module if stepper.ema is not None else model
         if rt.distributed and cfg.dist_bn:  # every rank validates, and rank 0 saves, the same BatchNorm stats
             from timm.utils import distribute_bn
             distribute_bn(model, rt.world_size, reduce=cfg.dist_bn == 'reduce')
-        ev = validate(model, loaders.val, cfg, rt.device, stepper.autocast)
+            if stepper.ema is not None:  # its stats average each rank's own
+                distribute_bn(stepper.ema.module, rt.world_size, reduce=cfg.dist_bn == 'reduce')
+        ev = validate(evaluated, loaders.val, cfg, rt.device, stepper.autocast)
         lr = stepper.optimizer.param_groups[0]['lr']
         stepper.scheduler.step(epoch + 1, ev[metric_key])
         row = {'epoch': epoch, 'train_loss': round(tr['train_loss'], 6), 'eval_loss': round(ev['eval_loss'], 6),
@@ -358,7 +379,8 @@ class _EpochWriter:
         save_epoch(self.out_dir, self.model, self.optimizer, dict(self.meta, epoch=epoch, metrics=row),
                    {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
                     'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings,
-                    'scheduler': scheduler_state(self.stepper.scheduler)}, improved)
+                    'scheduler': scheduler_state(self.stepper.scheduler)}, improved,
+                   self.stepper.ema.module if self.stepper.ema is not None else None)
         if self.args_pending:
             write_args(self.out_dir, cfg)
             self.args_pending = False
