@@ -53,6 +53,50 @@ def test_a_runs_args_yaml_reruns_it_exactly(tmp_path):
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
+def test_an_lr_from_timms_rule_is_set_again_by_it(tmp_path):
+    """A run whose lr was timm's rule (--lr-base x global batch / --lr-base-size) records the lr it trained with and
+    lr_rule: true; from its args.yaml the rule sets the lr again, to the same value, or to another for another
+    batch, --grad-accum-steps or --lr-base. A run given --lr keeps it."""
+    res = main(TINY + ['--lr-base', '0.4', '--output', str(tmp_path), '--experiment', 'rule'])
+    args_yaml = os.path.join(res['output'], 'args.yaml')
+    with open(args_yaml) as f:
+        recorded = yaml.safe_load(f)
+    assert recorded['lr'] == pytest.approx(0.025) and recorded['lr_rule'] is True  # 0.4 x 16 / 256
+    assert res['rows'][0]['lr'] == pytest.approx(0.025)
+    from timm_patchmix.engine import scaled_lr
+    for flags, lr in (([], 0.025), (['-b', '32'], 0.05), (['--grad-accum-steps', '4'], 0.1),
+                      (['--lr-base', '0.8'], 0.05), (['--lr', '0.3'], 0.3)):
+        cfg = parse_config(['-c', args_yaml] + flags)
+        assert scaled_lr(cfg) == pytest.approx(lr), flags
+    given = main(TINY + ['--lr', '0.07', '--output', str(tmp_path), '--experiment', 'given'])
+    with open(os.path.join(given['output'], 'args.yaml')) as f:
+        assert yaml.safe_load(f)['lr_rule'] is False
+    cfg = parse_config(['-c', os.path.join(given['output'], 'args.yaml'), '-b', '32'])
+    assert cfg.lr == 0.07 and scaled_lr(cfg) == 0.07
+
+
+def test_a_run_folder_and_its_resume_are_not_read_from_the_file(tmp_path, caplog):
+    """A rerun from a named run's args.yaml gets a new folder (it would write over that run's files), and one from a
+    resumed run's args.yaml does not resume its state."""
+    import logging
+    path = _file(tmp_path, f"experiment: first\nresume: {tmp_path / 'cfg.yaml'}\nepochs: 3\n")
+    with caplog.at_level(logging.INFO, logger='timm_patchmix.train'):
+        cfg = parse_config(['-c', path])
+    assert (cfg.experiment, cfg.resume, cfg.epochs) == ('', '', 3)
+    assert "experiment 'first' and resume" in caplog.text and 'not read from the file' in caplog.text
+    cfg = parse_config(['-c', path, '--experiment', 'second'])
+    assert cfg.experiment == 'second'
+
+
+def test_a_data_folder_on_the_command_line_wins_over_the_files(tmp_path):
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    a.mkdir(), b.mkdir()
+    path = _file(tmp_path, f'data_dir: {a}\n')
+    assert parse_config(['-c', path]).data_dir == str(a)
+    assert parse_config(['-c', path, str(b)]).data_dir == str(b)
+    assert parse_config(['-c', path, '--data-dir', str(b)]).data_dir == str(b)
+
+
 def test_the_flags_given_win_over_the_file_and_the_recipe_fills_the_rest(tmp_path):
     path = _file(tmp_path, 'epochs: 5\nlr: 0.05\npatchmix: true\nbatch_size: 16\nseed: 7\n')
     spellings = (['-c', path], ['--config', path], [f'--config={path}'], [f'-c{path}'])
@@ -105,7 +149,7 @@ def test_what_a_run_resolves_is_left_out(tmp_path):
     ('grid: [2, 2, 2]\n', 'grid: takes P or rows cols, got 3 values'),
     ('grid: 2\npatchmix_grid: 2\n', 'gives both grid and patchmix_grid'),
     ('model_kwargs: [1, 2]\n', 'model_kwargs: must be a dict of keyword arguments by name'),
-    ('resume: missing.safetensors\n', "resume: file 'missing.safetensors' does not exist"),
+    ('initial_checkpoint: missing.safetensors\n', "initial_checkpoint: file 'missing.safetensors' does not exist"),
     ('model: 7\n', 'model: must be a string or None, got 7'),
     ('- epochs\n- 2\n', "must map setting names to values (as a run's args.yaml does), got a list"),
     ('epochs: [1\n', 'not a readable YAML file'),

@@ -128,3 +128,17 @@ def test_a_bad_count_is_a_usage_error(value, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(['--grad-accum-steps', value])
     assert e.value.code == 2 and 'argument --grad-accum-steps: must be an integer >= 1' in capsys.readouterr().err
+
+
+def test_a_resume_with_another_n_continues_the_per_update_schedule_where_its_epoch_begins(tmp_path):
+    """Epoch 0 with N = 1 (4 updates), then a resume with N = 2 (2 updates an epoch): the resumed epoch starts at
+    update 2, as timm counts (epoch x updates per epoch), and ends on the lr of a run with N = 2 throughout."""
+    flags = TINY + ['--sched-on-updates', '--lr', '0.1', '--output', str(tmp_path)]
+    whole = main(flags + ['--epochs', '3', '--grad-accum-steps', '2', '--experiment', 'whole'])
+    main(flags + ['--epochs', '1', '--experiment', 'changed'])
+    seen = []
+    resumed = main(flags + ['--epochs', '3', '--grad-accum-steps', '2', '--experiment', 'changed', '--resume',
+                            str(tmp_path / 'changed' / 'state.safetensors')],
+                   on_step=lambda e: seen.append((e.epoch, e.updates)))
+    assert seen[:4] == [(1, 2), (1, 3), (1, 3), (1, 4)]
+    assert [r['lr'] for r in resumed['rows'][1:]] == pytest.approx([r['lr'] for r in whole['rows'][1:]])

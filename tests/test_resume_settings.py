@@ -130,26 +130,55 @@ def test_train_resume_of_an_older_state_compares_its_args(trained, tmp_path):
     assert [r['epoch'] for r in res['rows']] == [0, 1]
 
 
-def test_train_resume_with_model_ema_of_an_older_state_without_an_average(trained, tmp_path):
-    """A state from before --model-ema was recorded, resumed with it: no average to resume, a one-line error, and
-    nothing written."""
+def _rewrite_meta(path, edit):
     import json
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
+    with safe_open(path, framework='pt') as f:
+        md = f.metadata()
+    meta = json.loads(md['timm_patchmix'])
+    tensors = load_file(path)
+    edit(meta, tensors)
+    save_file(tensors, path, metadata=dict(md, timm_patchmix=json.dumps(meta)))
+
+
+def test_train_resume_of_an_older_state_takes_a_new_setting_as_its_default(trained, tmp_path):
+    """A state from before --opt-kwargs, --layer-decay and --model-ema existed trained without them: a resume that
+    adds one is refused, naming it, rather than silently keeping the old optimizer or starting a fresh average."""
     root, runs = trained
     old_root = tmp_path / 'old'
     shutil.copytree(root / 'mixup', old_root / 'mixup')
     path = str(old_root / 'mixup' / 'state.safetensors')
-    with safe_open(path, framework='pt') as f:
-        md = f.metadata()
-    meta = json.loads(md['timm_patchmix'])
-    del meta['settings']['--model-ema'], meta['args']['model_ema']
-    save_file(load_file(path), path, metadata=dict(md, timm_patchmix=json.dumps(meta)))
+
+    def older(meta, tensors):
+        for key, flag in (('opt_kwargs', '--opt-kwargs'), ('layer_decay', '--layer-decay'),
+                          ('model_ema', '--model-ema')):
+            del meta['settings'][flag], meta['args'][key]
+    _rewrite_meta(path, older)
     before = snapshot(old_root)
-    with pytest.raises(SystemExit) as e:
-        resume_train(old_root, 'mixup', runs['mixup'] + ['--model-ema'])
-    assert str(e.value).startswith(f'error: cannot resume from {path} with --model-ema: it holds no weight average')
+    for flags, change in ((['--model-ema'], ('--model-ema', 'False', 'True')),
+                          (['--opt-kwargs', 'dampening=0.0'], ('--opt-kwargs', '{}', "{'dampening': 0.0}"))):
+        refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + flags), change)
     assert snapshot(old_root) == before
+    res = resume_train(old_root, 'mixup', runs['mixup'])  # its own settings still resume
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+
+
+def test_train_resume_of_a_state_without_its_average(tmp_path):
+    """A --model-ema state whose average is gone (its tensors stripped): a one-line error, nothing written."""
+    flags = ['--model', 'resnet32_cifar', '--model-ema']
+    train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'ema'] + flags)
+    path = str(tmp_path / 'ema' / 'state.safetensors')
+
+    def strip(meta, tensors):
+        for k in [k for k in tensors if k.startswith('extra.ema.')]:
+            del tensors[k]
+    _rewrite_meta(path, strip)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        resume_train(tmp_path, 'ema', flags)
+    assert str(e.value).startswith(f'error: cannot resume from {path} with --model-ema: it holds no weight average')
+    assert snapshot(tmp_path) == before
 
 
 def test_train_resume_compares_the_table_by_content(trained, tmp_path):

@@ -149,11 +149,12 @@ def _optimizer_flags(g) -> None:
                    help="--lr-noise's bound, a fraction of the lr")
     g.add_argument('--lr-noise-std', type=VALUE_TYPES['lr_noise_std'], default=1.0, help="--lr-noise's std-dev")
     g.add_argument('--lr-cycle-mul', type=VALUE_TYPES['lr_cycle_mul'], default=1.0,
-                   help='cosine/tanh: each cycle this many times as long as the one before')
+                   help='cosine/tanh/poly: each cycle this many times as long as the one before')
     g.add_argument('--lr-cycle-decay', type=VALUE_TYPES['lr_cycle_decay'], default=0.5,
-                   help="cosine/tanh: each cycle's peak lr this times the one before")
+                   help="cosine/tanh/poly: each cycle's peak lr this times the one before")
     g.add_argument('--lr-cycle-limit', type=VALUE_TYPES['lr_cycle_limit'], default=1,
-                   help='cosine/tanh: cycles (restarts when > 1; the run trains --epochs per cycle, as in timm)')
+                   help='cosine/tanh/poly: cycles (restarts when > 1; the run trains --epochs per cycle, as in '
+                        'timm)')
     g.add_argument('--lr-k-decay', type=VALUE_TYPES['lr_k_decay'], default=1.0, help='cosine/poly: k-decay')
     g.add_argument('--recipe', choices=sorted(RECIPES), default=None,
                    help="defaults for unset flags: 'demo' (the default with the embedded data), 'timm' (timm's "
@@ -257,19 +258,25 @@ def _config(ns: argparse.Namespace, argv: Optional[List[str]]) -> TrainConfig:
 
 
 # the keys of a config file that name no flag: what args.yaml records besides the flags (the command line, and what
-# is resolved from the model), left out; TrainConfig's name of --patchmix-grid
+# is resolved from the model and the batch), left out; TrainConfig's name of --patchmix-grid
 _RECORDED_ONLY = frozenset(UNFLAGGED)
 _FIELD_OF = {'patchmix_grid': 'grid', 'data': 'data_dir'}
+# keys that name a run's folder and the state it resumed from rather than how it trains: a run's args.yaml holds
+# them, and a rerun from it must neither write into that run's folder nor resume its state; left out too
+_RUN_ONLY = ('experiment', 'resume')
+_logger = logging.getLogger(__name__)
 
 
 def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     """The settings of the YAML file ``path`` (``-c/--config``) as defaults of ``parser``'s flags, by destination.
 
     The file maps settings by name, as ``args.yaml`` records them (``grid`` is ``--patchmix-grid``; ``command``,
-    ``arch``, ``patch_head`` and ``data_config``, which a run resolves, are left out). A string is read as the flag
-    reads it (``lr: 1e-3``, which YAML leaves a string, is 0.001); a flag that takes several values also takes one
-    (``fgsm: 0.1``). Each value is checked as the flag's; an unknown
-    key, a value a flag would refuse, or a file that is no mapping is a :class:`ConfigError` naming the file."""
+    ``arch``, ``patch_head``, ``data_config`` and ``lr_rule``, which a run resolves, are left out, and so are
+    ``experiment`` and ``resume``, which name a run's folder and state). The ``lr`` of a run whose lr was timm's rule
+    (``lr_rule: true``) is left out too, so that the rule sets it again from the batch and ``--lr-base``. A string
+    is read as the flag reads it (``lr: 1e-3``, which YAML leaves a string, is 0.001); a flag that takes several
+    values also takes one (``fgsm: 0.1``). Each value is checked as the flag's; an unknown key, a value a flag would
+    refuse, or a file that is no mapping is a :class:`ConfigError` naming the file."""
     import yaml
 
     def fail(message: str) -> ConfigError:
@@ -297,9 +304,15 @@ def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str
     if unknown:
         raise fail(f'unknown setting{"s" if len(unknown) > 1 else ""} {", ".join(unknown)}: not flags of train.py '
                    f'(its flags, with - as _; timm flags it does not offer are listed in docs/training.md)')
+    run_only = {k: data[k] for k in _RUN_ONLY if data.get(k)}
+    if run_only:
+        _logger.info('%s: %s not read from the file (they name a run\'s folder and state; give %s)', path,
+                     ' and '.join(f'{k} {v!r}' for k, v in run_only.items()),
+                     ' / '.join('--' + k for k in run_only))
+    skip = set(_RECORDED_ONLY) | set(_RUN_ONLY) | ({'lr'} if data.get('lr_rule') is True else set())
     out: Dict[str, Any] = {}
     for key, value in data.items():
-        if key in _RECORDED_ONLY:
+        if key in skip:
             continue
         dest = named.get(key, key)
         action = actions[dest]
@@ -321,15 +334,19 @@ def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str
 
 def _parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> argparse.Namespace:
     """``argv`` parsed, a ``-c/--config`` file's settings (:func:`config_file_defaults`) taking the place of the
-    defaults: the flags given win over the file."""
+    defaults: the flags given win over the file (a positional data folder over the file's ``data_dir`` too)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument('-c', '--config', default='')
     known, _ = pre.parse_known_args(argv)
+    given = {}
     if known.config:
-        parser.set_defaults(**config_file_defaults(known.config, parser))
+        given = config_file_defaults(known.config, parser)
+        parser.set_defaults(**given)
     ns = parser.parse_args(argv)
     if ns.config != known.config:  # an abbreviation of --config, which the first pass does not read
         parser.error('argument -c/--config: write the flag in full (-c FILE or --config FILE)')
+    if 'data_dir' in given and ns.data_dir == given['data_dir'] and ns.data and ns.data != given.get('data'):
+        ns.data_dir = ns.data  # DIR on the command line, data_dir in the file
     return ns
 
 

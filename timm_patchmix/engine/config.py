@@ -84,8 +84,8 @@ SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
 KWARGS = ('model_kwargs', 'opt_kwargs')
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
 PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
-# settings no flag sets: the command line itself, and those resolved from the model (see resolve)
-UNFLAGGED = ('command', 'arch', 'patch_head', 'data_config')
+# settings no flag sets: the command line itself, and those resolved from the model and the batch (see resolve)
+UNFLAGGED = ('command', 'arch', 'patch_head', 'data_config', 'lr_rule')
 
 
 def _flag(name: str) -> str:
@@ -276,6 +276,7 @@ class TrainConfig:
     arch: Optional[str] = None
     patch_head: Optional[bool] = None
     data_config: Optional[DataConfig] = None
+    lr_rule: Optional[bool] = None  # the lr is timm's rule's (no --lr given): a config file's lr is recomputed
 
     def __post_init__(self):
         self._normalise()
@@ -521,11 +522,13 @@ def resolve(cfg: TrainConfig, *, model, num_classes: int, data_config: Mapping[s
             world_size: int = 1) -> TrainConfig:
     """The config of a run whose ``model`` is built: the grid is the model's own (a patch-head model's
     ``model.grid``; the flags' or 4x4 for image-level PatchMix on a plain model), the learning rate is scaled to the
-    global batch of ``world_size`` processes, and ``num_classes``, ``patch_head`` and ``data_config`` are set."""
+    global batch of ``world_size`` processes (``lr_rule`` says so when no lr was given), and ``num_classes``,
+    ``patch_head`` and ``data_config`` are set."""
     from ..models import PatchHeadModel
     cfg = cfg.with_recipe()
     patch_head = isinstance(model, PatchHeadModel)
     grid = tuple(model.grid) if patch_head else (cfg.grid or DEFAULT_GRID)
     data = data_config if isinstance(data_config, DataConfig) else DataConfig.from_timm(data_config)
     return dataclasses.replace(cfg, grid=grid, patch_head=patch_head, num_classes=num_classes,
-                               lr=scaled_lr(cfg, world_size), data_config=data)
+                               lr=scaled_lr(cfg, world_size), data_config=data,
+                               lr_rule=cfg.lr is None or bool(cfg.lr_rule))

@@ -91,6 +91,8 @@ class ResumePoint:
     ema_state: Optional[Dict[str, torch.Tensor]] = None  # --model-ema's weights
 
 
+_DEFAULTS = TrainConfig().record()
+
 # the prefix of --model-ema's weights among a training state's extra tensors
 EMA_PREFIX = 'ema.'
 
@@ -110,6 +112,8 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
     except CheckpointError as e:
         raise TrainSetupError(f'cannot resume: {e}') from None
     saved = st['meta'].get('args', {})
+    if isinstance(saved, dict) and saved:  # a setting its version did not have: that version's only behaviour
+        saved = dict({k: _DEFAULTS[k] for k in RESUME_SETTINGS if k not in saved}, **saved)
     # a state from before settings were recorded: its args, without the table's content
     recorded = st['meta'].get('settings') or resume_settings(saved, table=False)
     if isinstance(recorded, dict) and isinstance(saved, dict):  # settings a state of an older version did not list

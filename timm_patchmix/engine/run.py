@@ -145,7 +145,7 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
     clash = sorted(set(cfg.opt_kwargs) & (set(opt_kwargs) | {'lr', 'weight_decay', 'opt', 'model_or_params'}))
     if clash:
         flags = {'eps': '--opt-eps', 'betas': '--opt-betas', 'layer_decay': '--layer-decay', 'lr': '--lr',
-                 'weight_decay': '--weight-decay', 'momentum': '--momentum'}
+                 'weight_decay': '--weight-decay', 'momentum': '--momentum', 'opt': '--opt'}
         raise ConfigError(f'{clash[0]} is set by {flags.get(clash[0], "train.py itself")}; leave it out of '
                           f'--opt-kwargs', '--opt-kwargs')
     try:
@@ -336,6 +336,9 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
         loaders.new_epoch()
         if loaders.mixing is not None and (cfg.patchmix or not cfg.patch_head) and off and epoch >= off:
             loaders.mixing.mixup_enabled = False
+        # the updates before this epoch, as timm counts them: a resume with another -b or --grad-accum-steps
+        # continues a per-update schedule (--sched-on-updates) where its epoch begins
+        stepper.updates = epoch * updates_per_epoch(len(loaders.train), cfg.grad_accum_steps)
         tr = train_one_epoch(stepper, loaders.train, epoch, rt, on_step)
         evaluated = stepper.ema.module if stepper.ema is not None else model
         if rt.distributed and cfg.dist_bn:  # every rank validates, and rank 0 saves, the same BatchNorm stats
