@@ -95,6 +95,8 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--opt-kwargs', 'dampening=0.0'], [('--opt-kwargs', '{}', "{'dampening': 0.0}")]),
     ('mixup', None, ['--layer-decay', '0.75'], [('--layer-decay', 'None', '0.75')]),
     ('mixup', None, ['--model-ema'], [('--model-ema', 'False', 'True')]),
+    # the normalisation is part of the data
+    ('mixup', None, ['--mean', '0.5', '--std', '0.25'], [('--mean', 'None', '[0.5]'), ('--std', 'None', '[0.25]')]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained

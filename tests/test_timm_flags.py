@@ -196,7 +196,7 @@ def _not_offered():
 
 def test_the_documented_missing_timm_flags_are_refused(capsys):
     flags = _not_offered()
-    assert len(flags) == 50 and len(set(flags)) == len(flags)
+    assert len(flags) == 46 and len(set(flags)) == len(flags)
     options = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
     assert not set(flags) & options  # a flag added to train.py leaves the list
     for flag in flags:
@@ -333,3 +333,50 @@ def test_layer_decay_scales_each_layer_and_keeps_the_patch_head_at_the_full_lr()
     assert patch and all(n.startswith('patch_head.') for n in patch) and set(patch.values()) == {1.0}
     opt, _ = _optimizer([])
     assert all('lr_scale' not in g for g in opt.param_groups)  # off by default
+
+
+# --- timm's data config flags -------------------------------------------------------------------------------------
+def _setup(argv):
+    from timm_patchmix.engine.run import _setup as setup
+    from timm_patchmix.engine.runtime import Runtime
+    flags = ['--train-subset', '16', '--val-subset', '8', '-b', '8', '-j', '0', '--device', 'cpu'] + argv
+    cfg, _, _, _, loaders, _ = setup(train_cli.parse_config(flags), Runtime(torch.device('cpu')), False)
+    return cfg, loaders
+
+
+@pytest.mark.parametrize('path', [[], ['--no-prefetcher'], ['--device-data']])
+def test_mean_and_std_normalise_the_batches(path):
+    base, base_loaders = _setup(path)
+    cfg, loaders = _setup(path + ['--mean', '0.5', '--std', '0.25'])
+    assert (cfg.data_config.mean, cfg.data_config.std) == ((0.5,) * 3, (0.25,) * 3)
+    x0, _ = next(iter(base_loaders.val))
+    x, _ = next(iter(loaders.val))
+    m0 = torch.tensor(base.data_config.mean).view(1, 3, 1, 1)
+    s0 = torch.tensor(base.data_config.std).view(1, 3, 1, 1)
+    pixels = x0.float() * s0 + m0  # the same images, as [0, 1] pixels
+    torch.testing.assert_close(x.float(), (pixels - 0.5) / 0.25, rtol=1e-5, atol=1e-5)
+    cfg, _ = _setup(path + ['--mean', '0.1', '0.2', '0.3'])  # one per channel
+    assert cfg.data_config.mean == (0.1, 0.2, 0.3)
+
+
+@pytest.mark.parametrize('argv, flag, message', [
+    (['--mean', '0.5', '0.5'], '--mean', 'takes one value or one per channel of the 3-channel input, got 2'),
+    (['--std', '0.2', '0.2', '0.2', '0.2'], '--std', 'one per channel of the 3-channel input, got 4'),
+    (['--crop-pct', '0.8'], '--crop-pct', 'the 32x32 input takes the CIFAR-style transform'),
+    (['--interpolation', 'bicubic'], '--interpolation', '--interpolation would be unused'),
+])
+def test_data_config_flags_that_do_not_fit_are_usage_errors(argv, flag, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _setup(argv)
+    assert e.value.flag == flag
+
+
+def test_crop_pct_and_interpolation_reach_the_evaluation_transform_of_a_larger_input():
+    from torchvision import transforms as T
+    cfg, loaders = _setup(['--img-size', '72', '--crop-pct', '0.8', '--interpolation', 'bicubic'])
+    assert (cfg.data_config.crop_pct, cfg.data_config.interpolation) == (0.8, 'bicubic')
+    ops = loaders.val.dataset.transform.transforms[1].transforms
+    resize = next(op for op in ops if isinstance(op, T.Resize))
+    crop = next(op for op in ops if isinstance(op, T.CenterCrop))
+    assert resize.size == 90 and resize.interpolation == T.InterpolationMode.BICUBIC  # 72 / 0.8
+    assert list(crop.size) == [72, 72]

@@ -22,7 +22,8 @@ from timm.utils import ParseKwargs as _TimmParseKwargs
 
 from .cli_types import optional_directory, optional_file
 from .engine import ConfigError, NonFiniteLossError, StepEvent, TrainConfig, TrainSetupError, train
-from .engine.config import CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS, UNFLAGGED, VALUE_TYPES, check_setting
+from .engine.config import (CHOICES, CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS, UNFLAGGED, VALUE_TYPES,
+                            check_setting)
 from .engine.model import model_arch
 from .engine.records import RESUME_SETTINGS, resume_settings
 
@@ -87,6 +88,14 @@ def _model_flags(g) -> None:
     g.add_argument('--in-chans', type=VALUE_TYPES['in_chans'], default=None)
     g.add_argument('--img-size', type=VALUE_TYPES['img_size'], default=None)
     g.add_argument('--input-size', type=VALUE_TYPES['input_size'], nargs=3, default=None, metavar='N')
+    g.add_argument('--mean', type=VALUE_TYPES['mean'], nargs='+', default=None, metavar='MEAN',
+                   help="normalisation mean in place of the model's (one value, or one per channel)")
+    g.add_argument('--std', type=VALUE_TYPES['std'], nargs='+', default=None, metavar='STD',
+                   help="normalisation std in place of the model's (one value, or one per channel)")
+    g.add_argument('--crop-pct', type=VALUE_TYPES['crop_pct'], default=None,
+                   help="evaluation centre-crop fraction in place of the model's (inputs above 64 px)")
+    g.add_argument('--interpolation', default=None, choices=CHOICES['interpolation'],
+                   help="resize interpolation in place of the model's (inputs above 64 px)")
     g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
     g.add_argument('--drop', type=VALUE_TYPES['drop'], default=0.0)
     g.add_argument('--drop-path', type=VALUE_TYPES['drop_path'], default=None)

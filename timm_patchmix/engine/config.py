@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from ..cli_types import (bounds_of, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
+from ..cli_types import (bounds_of, float_range, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                          probability)
 from .errors import ConfigError
 
@@ -44,6 +44,7 @@ CHOICES: Dict[str, Tuple[Any, ...]] = {
     'clip_mode': CLIP_MODES, 'sched': SCHEDULERS, 'recipe': tuple(RECIPES), 'lr_base_scale': ('', 'linear', 'sqrt'),
     'mixup_mode': ('batch', 'pair', 'elem', 'half'), 'patchmix_mode': ('elem', 'pair', 'batch'),
     'amp_dtype': ('float16', 'bfloat16'), 'eval_metric': ('top1', 'top5', 'loss'),
+    'interpolation': ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos'),
     'dist_bn': ('', 'broadcast', 'reduce')}
 # The range of every numeric setting: the argument type its flag parses each value with (timm_patchmix.cli_types),
 # whose bounds TrainConfig also checks a value given in Python against: one table for both (train.py's flags take
@@ -55,7 +56,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'test_subset': positive_int,
     # model
     'num_classes': positive_int, 'in_chans': positive_int, 'img_size': positive_int, 'input_size': positive_int,
-    'drop': probability, 'drop_path': probability, 'model_ema_decay': fraction,
+    'drop': probability, 'drop_path': probability, 'model_ema_decay': fraction, 'mean': float_range(),
+    'std': positive_float, 'crop_pct': positive_float,
     # optimizer and schedule
     'batch_size': positive_int, 'validation_batch_size': positive_int, 'grad_accum_steps': positive_int,
     'opt_eps': nonneg_float,
@@ -79,7 +81,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
 # no maximum); ``grid`` (P or rows cols) is checked by normal_grid
 SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
     'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None),
-    'decay_milestones': (1, None), 'lr_noise': (1, 2)}
+    'decay_milestones': (1, None), 'lr_noise': (1, 2), 'mean': (1, None), 'std': (1, None)}
 # settings of keyword arguments by name (timm's ParseKwargs flags), for the model and the optimizer
 KWARGS = ('model_kwargs', 'opt_kwargs')
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
@@ -182,6 +184,12 @@ class TrainConfig:
     in_chans: Optional[int] = None
     img_size: Optional[int] = None
     input_size: Optional[Tuple[int, int, int]] = None
+    # timm's data config in place of the model's: normalisation (one value, or one per channel), and the evaluation
+    # crop and resize of inputs larger than the CIFAR-style transform's (see engine.loaders.resolve_data)
+    mean: Optional[Tuple[float, ...]] = None
+    std: Optional[Tuple[float, ...]] = None
+    crop_pct: Optional[float] = None
+    interpolation: Optional[str] = None
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
     drop: float = 0.0
     drop_path: Optional[float] = None

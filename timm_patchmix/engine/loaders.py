@@ -120,9 +120,29 @@ def _check_disjoint(cfg: TrainConfig, train, other, role: str) -> None:
 
 
 def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
-    """timm's data config for ``model`` and the size flags of ``cfg``; ``verbose`` logs timm's block."""
+    """timm's data config for ``model`` and the size flags of ``cfg``, with ``--mean``/``--std`` (one value, or one
+    per channel), ``--crop-pct`` and ``--interpolation`` in place of the model's; ``verbose`` logs timm's block.
+    A mean or std of another length than the channels, or a crop or interpolation for an input that the
+    CIFAR-style transform takes (square, at most 64 px: it neither crops by a fraction nor resizes but bilinearly),
+    is a :class:`ConfigError`."""
     from timm.data import resolve_data_config
     flags = {'in_chans': cfg.in_chans, 'img_size': cfg.img_size, 'input_size': cfg.input_size}
+    size = resolve_data_config(flags, model=model)['input_size']
+    chans = cfg.in_chans if cfg.in_chans is not None and cfg.input_size is None else size[0]
+    for name in ('mean', 'std'):
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if len(value) not in (1, chans):
+            raise ConfigError(f'takes one value or one per channel of the {chans}-channel input, got {len(value)}: '
+                              f'{" ".join(f"{v:g}" for v in value)}', '--' + name)
+        flags[name] = tuple(value) * (chans if len(value) == 1 else 1)
+    unused = [flag for flag, value in (('--crop-pct', cfg.crop_pct), ('--interpolation', cfg.interpolation)) if value]
+    if unused and size[1] == size[2] and size[1] <= 64:
+        raise ConfigError(f'the {size[1]}x{size[2]} input takes the CIFAR-style transform, which neither crops by a '
+                          f'fraction nor resizes but bilinearly; {" and ".join(unused)} would be unused',
+                          unused[0])
+    flags.update({k: v for k, v in (('crop_pct', cfg.crop_pct), ('interpolation', cfg.interpolation)) if v})
     data_config = resolve_data_config(flags, model=model, verbose=verbose)
     if cfg.in_chans is not None and cfg.input_size is None:  # the model cfg's input_size names 3 channels
         data_config['input_size'] = (cfg.in_chans, *data_config['input_size'][1:])

@@ -23,7 +23,8 @@ __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'resume_settings', 'csv_text', 'weight
 # eps, whatever the flags say). The schedule, --epochs, --lr..., may change on a resume; --model and the class
 # count come from the state's args.
 RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'opt_kwargs', 'layer_decay',
-                   'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'model_kwargs', 'train_subset',
+                   'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'mean', 'std', 'crop_pct',
+                   'interpolation', 'model_kwargs', 'train_subset',
                    'holdout', 'holdout_seed', 'grid', 'patchmix', 'patchmix_mode', 'patchmix_collate',
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
