@@ -53,25 +53,36 @@ def test_a_runs_args_yaml_reruns_it_exactly(tmp_path):
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
-def test_an_lr_from_timms_rule_is_set_again_by_it(tmp_path):
-    """A run whose lr was timm's rule (--lr-base x global batch / --lr-base-size) records the lr it trained with and
-    lr_rule: true; from its args.yaml the rule sets the lr again, to the same value, or to another for another
-    batch, --grad-accum-steps or --lr-base. A run given --lr keeps it."""
-    res = main(TINY + ['--lr-base', '0.4', '--output', str(tmp_path), '--experiment', 'rule'])
-    args_yaml = os.path.join(res['output'], 'args.yaml')
-    with open(args_yaml) as f:
-        recorded = yaml.safe_load(f)
-    assert recorded['lr'] == pytest.approx(0.025) and recorded['lr_rule'] is True  # 0.4 x 16 / 256
-    assert res['rows'][0]['lr'] == pytest.approx(0.025)
+def test_an_lr_from_timms_rule_or_the_recipe_is_set_again_by_it(tmp_path, caplog):
+    """A run records where its lr came from. From its args.yaml the rule (--lr-base x global batch / --lr-base-size)
+    or the recipe sets the lr again: to the same value, or, with -b, --grad-accum-steps or --lr-base given with the
+    file, to the value they give without one. An lr given by --lr is read as it is."""
+    import logging
     from timm_patchmix.engine import scaled_lr
-    for flags, lr in (([], 0.025), (['-b', '32'], 0.05), (['--grad-accum-steps', '4'], 0.1),
-                      (['--lr-base', '0.8'], 0.05), (['--lr', '0.3'], 0.3)):
-        cfg = parse_config(['-c', args_yaml] + flags)
-        assert scaled_lr(cfg) == pytest.approx(lr), flags
+    res = main(TINY + ['--lr-base', '0.4', '--output', str(tmp_path), '--experiment', 'rule'])
+    rule_yaml = os.path.join(res['output'], 'args.yaml')
+    with open(rule_yaml) as f:
+        recorded = yaml.safe_load(f)
+    assert recorded['lr'] == pytest.approx(0.025) and recorded['lr_source'] == 'rule'  # 0.4 x 16 / 256
+    assert res['rows'][0]['lr'] == pytest.approx(0.025)
+    with caplog.at_level(logging.INFO, logger='timm_patchmix.train'):
+        for flags, lr in (([], 0.025), (['-b', '32'], 0.05), (['--grad-accum-steps', '4'], 0.1),
+                          (['--lr-base', '0.8'], 0.05), (['--lr', '0.3'], 0.3)):
+            assert scaled_lr(parse_config(['-c', rule_yaml] + flags)) == pytest.approx(lr), flags
+    assert 'lr 0.025 not read from the file (lr_source: rule)' in caplog.text
+    # the demo recipe's lr 0.1: set again by the recipe, and --lr-base wins over it as without a file
+    recipe = main(TINY + ['--output', str(tmp_path), '--experiment', 'recipe'])
+    recipe_yaml = os.path.join(recipe['output'], 'args.yaml')
+    with open(recipe_yaml) as f:
+        assert yaml.safe_load(f)['lr_source'] == 'recipe'
+    for flags in ([], ['--lr-base', '0.4'], ['--lr-base', '0.4', '-b', '32']):
+        alone = scaled_lr(parse_config(TINY + flags))
+        assert scaled_lr(parse_config(['-c', recipe_yaml] + flags)) == pytest.approx(alone), flags
+    assert scaled_lr(parse_config(['-c', recipe_yaml, '--lr-base', '0.4'])) == pytest.approx(0.025)
     given = main(TINY + ['--lr', '0.07', '--output', str(tmp_path), '--experiment', 'given'])
     with open(os.path.join(given['output'], 'args.yaml')) as f:
-        assert yaml.safe_load(f)['lr_rule'] is False
-    cfg = parse_config(['-c', os.path.join(given['output'], 'args.yaml'), '-b', '32'])
+        assert yaml.safe_load(f)['lr_source'] == 'flag'
+    cfg = parse_config(['-c', os.path.join(given['output'], 'args.yaml'), '-b', '32', '--lr-base', '0.4'])
     assert cfg.lr == 0.07 and scaled_lr(cfg) == 0.07
 
 

@@ -130,15 +130,26 @@ def test_a_bad_count_is_a_usage_error(value, capsys):
     assert e.value.code == 2 and 'argument --grad-accum-steps: must be an integer >= 1' in capsys.readouterr().err
 
 
-def test_a_resume_with_another_n_continues_the_per_update_schedule_where_its_epoch_begins(tmp_path):
+def test_a_resume_with_another_n_continues_the_per_update_schedule_where_its_epoch_begins(tmp_path, monkeypatch):
     """Epoch 0 with N = 1 (4 updates), then a resume with N = 2 (2 updates an epoch): the resumed epoch starts at
-    update 2, as timm counts (epoch x updates per epoch), and ends on the lr of a run with N = 2 throughout."""
+    update 2, as timm counts (epoch x updates per epoch), and every one of its updates trains at the lr of a run
+    with N = 2 throughout."""
+    import timm_patchmix.engine.loop as loop
+    real, lrs = loop.train_step, []
+
+    def recording(s, *args, **kwargs):  # the lr each update trains at
+        if kwargs.get('update', True):
+            lrs.append(s.optimizer.param_groups[0]['lr'])
+        return real(s, *args, **kwargs)
+    monkeypatch.setattr(loop, 'train_step', recording)
     flags = TINY + ['--sched-on-updates', '--lr', '0.1', '--output', str(tmp_path)]
-    whole = main(flags + ['--epochs', '3', '--grad-accum-steps', '2', '--experiment', 'whole'])
+    main(flags + ['--epochs', '3', '--grad-accum-steps', '2', '--experiment', 'whole'])
+    whole, lrs[:] = list(lrs), []
     main(flags + ['--epochs', '1', '--experiment', 'changed'])
+    lrs[:] = []
     seen = []
-    resumed = main(flags + ['--epochs', '3', '--grad-accum-steps', '2', '--experiment', 'changed', '--resume',
-                            str(tmp_path / 'changed' / 'state.safetensors')],
-                   on_step=lambda e: seen.append((e.epoch, e.updates)))
+    main(flags + ['--epochs', '3', '--grad-accum-steps', '2', '--experiment', 'changed', '--resume',
+                  str(tmp_path / 'changed' / 'state.safetensors')], on_step=lambda e: seen.append((e.epoch, e.updates)))
     assert seen[:4] == [(1, 2), (1, 3), (1, 3), (1, 4)]
-    assert [r['lr'] for r in resumed['rows'][1:]] == pytest.approx([r['lr'] for r in whole['rows'][1:]])
+    assert len(whole) == 6 and lrs == pytest.approx(whole[2:])
+    assert whole[2] == pytest.approx(0.075)  # a third of the way: 0.05 x (1 + cos(pi / 3))

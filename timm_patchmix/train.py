@@ -22,8 +22,8 @@ from timm.utils import ParseKwargs as _TimmParseKwargs
 
 from .cli_types import optional_directory, optional_file
 from .engine import ConfigError, NonFiniteLossError, StepEvent, TrainConfig, TrainSetupError, train
-from .engine.config import (CHOICES, CLIP_MODES, RECIPES, SCHEDULERS, TIMM_DEFAULTS, UNFLAGGED, VALUE_TYPES,
-                            check_setting)
+from .engine.config import (CHOICES, CLIP_MODES, LR_RULE, RECIPES, SCHEDULERS, TIMM_DEFAULTS, UNFLAGGED,
+                            VALUE_TYPES, check_setting)
 from .engine.model import model_arch
 from .engine.records import RESUME_SETTINGS, resume_settings
 
@@ -93,9 +93,11 @@ def _model_flags(g) -> None:
     g.add_argument('--std', type=VALUE_TYPES['std'], nargs='+', default=None, metavar='STD',
                    help="normalisation std in place of the model's (one value, or one per channel)")
     g.add_argument('--crop-pct', type=VALUE_TYPES['crop_pct'], default=None,
-                   help="evaluation centre-crop fraction in place of the model's (inputs above 64 px)")
+                   help="evaluation centre-crop fraction in place of the model's (any input but a square one of at "
+                        "most 64 px)")
     g.add_argument('--interpolation', default=None, choices=CHOICES['interpolation'],
-                   help="resize interpolation in place of the model's (inputs above 64 px)")
+                   help="resize interpolation in place of the model's (any input but a square one of at most "
+                        "64 px)")
     g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
     g.add_argument('--drop', type=VALUE_TYPES['drop'], default=0.0)
     g.add_argument('--drop-path', type=VALUE_TYPES['drop_path'], default=None)
@@ -280,9 +282,10 @@ def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str
     """The settings of the YAML file ``path`` (``-c/--config``) as defaults of ``parser``'s flags, by destination.
 
     The file maps settings by name, as ``args.yaml`` records them (``grid`` is ``--patchmix-grid``; ``command``,
-    ``arch``, ``patch_head``, ``data_config`` and ``lr_rule``, which a run resolves, are left out, and so are
-    ``experiment`` and ``resume``, which name a run's folder and state). The ``lr`` of a run whose lr was timm's rule
-    (``lr_rule: true``) is left out too, so that the rule sets it again from the batch and ``--lr-base``. A string
+    ``arch``, ``patch_head``, ``data_config`` and ``lr_source``, which a run resolves, are left out, and so are
+    ``experiment`` and ``resume``, which name a run's folder and state). The ``lr`` is read only where it was a
+    flag's (``lr_source: flag``, or no ``lr_source``): the recipe's or timm's rule's is set again by them, so that
+    ``--lr-base``, ``-b`` or ``--grad-accum-steps`` given with the file change it as without one. A string
     is read as the flag reads it (``lr: 1e-3``, which YAML leaves a string, is 0.001); a flag that takes several
     values also takes one (``fgsm: 0.1``). Each value is checked as the flag's; an unknown key, a value a flag would
     refuse, or a file that is no mapping is a :class:`ConfigError` naming the file."""
@@ -318,7 +321,13 @@ def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str
         _logger.info('%s: %s not read from the file (they name a run\'s folder and state; give %s)', path,
                      ' and '.join(f'{k} {v!r}' for k, v in run_only.items()),
                      ' / '.join('--' + k for k in run_only))
-    skip = set(_RECORDED_ONLY) | set(_RUN_ONLY) | ({'lr'} if data.get('lr_rule') is True else set())
+    derived = data.get('lr_source') in ('recipe', 'rule')  # an lr the recipe or timm's rule set
+    if derived and data.get('lr') is not None:
+        _logger.info('%s: lr %s not read from the file (lr_source: %s): the %s sets it again; give --lr to fix it',
+                     path, data['lr'], data['lr_source'], 'recipe' if data['lr_source'] == 'recipe' else 'rule')
+    skip = set(_RECORDED_ONLY) | set(_RUN_ONLY) | ({'lr'} if derived else set())
+    if data.get('lr_source') == 'recipe':  # then --lr-base and its kin were timm's defaults, filled in, not given
+        skip |= set(LR_RULE)
     out: Dict[str, Any] = {}
     for key, value in data.items():
         if key in skip:

@@ -45,6 +45,7 @@ CHOICES: Dict[str, Tuple[Any, ...]] = {
     'mixup_mode': ('batch', 'pair', 'elem', 'half'), 'patchmix_mode': ('elem', 'pair', 'batch'),
     'amp_dtype': ('float16', 'bfloat16'), 'eval_metric': ('top1', 'top5', 'loss'),
     'interpolation': ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos'),
+    'lr_source': ('flag', 'recipe', 'rule'),
     'dist_bn': ('', 'broadcast', 'reduce')}
 # The range of every numeric setting: the argument type its flag parses each value with (timm_patchmix.cli_types),
 # whose bounds TrainConfig also checks a value given in Python against: one table for both (train.py's flags take
@@ -87,7 +88,7 @@ KWARGS = ('model_kwargs', 'opt_kwargs')
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
 PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
 # settings no flag sets: the command line itself, and those resolved from the model and the batch (see resolve)
-UNFLAGGED = ('command', 'arch', 'patch_head', 'data_config', 'lr_rule')
+UNFLAGGED = ('command', 'arch', 'patch_head', 'data_config', 'lr_source')
 
 
 def _flag(name: str) -> str:
@@ -284,7 +285,9 @@ class TrainConfig:
     arch: Optional[str] = None
     patch_head: Optional[bool] = None
     data_config: Optional[DataConfig] = None
-    lr_rule: Optional[bool] = None  # the lr is timm's rule's (no --lr given): a config file's lr is recomputed
+    # where the lr comes from: 'flag' (--lr), 'recipe' (its lr) or 'rule' (timm's, from --lr-base and the global
+    # batch); a config file's lr is read only when it was a flag's (the recipe or the rule sets it again)
+    lr_source: Optional[str] = None
 
     def __post_init__(self):
         self._normalise()
@@ -398,6 +401,8 @@ class TrainConfig:
         for name, value in dict(TIMM_DEFAULTS, **RECIPES[recipe]).items():
             if getattr(self, name) is None and not (name == 'lr' and lr_rule):  # --lr-base... given: timm's rule
                 changes[name] = value
+        if self.lr_source is None:
+            changes['lr_source'] = 'flag' if self.lr is not None else 'recipe' if 'lr' in changes else 'rule'
         model = changes.get('model', self.model)
         if self.patchmix and self.model is None and not model.startswith('patchhead_') and not self.no_patch_loss:
             changes['model'] = 'patchhead_' + model  # a recipe's backbone, with the head --patchmix needs
@@ -530,13 +535,12 @@ def resolve(cfg: TrainConfig, *, model, num_classes: int, data_config: Mapping[s
             world_size: int = 1) -> TrainConfig:
     """The config of a run whose ``model`` is built: the grid is the model's own (a patch-head model's
     ``model.grid``; the flags' or 4x4 for image-level PatchMix on a plain model), the learning rate is scaled to the
-    global batch of ``world_size`` processes (``lr_rule`` says so when no lr was given), and ``num_classes``,
-    ``patch_head`` and ``data_config`` are set."""
+    global batch of ``world_size`` processes when ``lr_source`` is ``'rule'``, and ``num_classes``, ``patch_head``
+    and ``data_config`` are set."""
     from ..models import PatchHeadModel
     cfg = cfg.with_recipe()
     patch_head = isinstance(model, PatchHeadModel)
     grid = tuple(model.grid) if patch_head else (cfg.grid or DEFAULT_GRID)
     data = data_config if isinstance(data_config, DataConfig) else DataConfig.from_timm(data_config)
     return dataclasses.replace(cfg, grid=grid, patch_head=patch_head, num_classes=num_classes,
-                               lr=scaled_lr(cfg, world_size), data_config=data,
-                               lr_rule=cfg.lr is None or bool(cfg.lr_rule))
+                               lr=scaled_lr(cfg, world_size), data_config=data)

@@ -220,8 +220,11 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
             raise TrainSetupError(f'cannot resume from {cfg.resume}: its saved state does not fit the model and '
                                   f'optimizer of this run: {e}') from None
         _say(rt, f'resuming from {cfg.resume} at epoch {start.start_epoch}')
-    if start.start_epoch > 0:
-        scheduler.step(start.start_epoch)
+    if start.start_epoch > 0:  # as timm's train.py: a per-update schedule at the resumed epoch's first update
+        if cfg.sched_on_updates:
+            scheduler.step_update(start.start_epoch * updates_per_epoch(len(loaders.train), cfg.grad_accum_steps))
+        else:
+            scheduler.step(start.start_epoch)
         load_scheduler_state(scheduler, start.scheduler_state)
     ema = _model_ema(cfg, model, start)
     evaluated = ema.module if ema is not None else model  # what each epoch evaluates and the weights files hold
