@@ -107,31 +107,6 @@ def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect)
     assert snapshot(root) == before
 
 
-def test_train_resume_of_an_older_state_compares_its_args(trained, tmp_path):
-    """A state written before the optimizer's settings were in its settings record: they are taken from its args,
-    so a changed --weight-decay is still named rather than silently undone by the optimizer's saved state."""
-    import json
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-    root, runs = trained
-    old_root = tmp_path / 'old'
-    shutil.copytree(root / 'mixup', old_root / 'mixup')
-    path = str(old_root / 'mixup' / 'state.safetensors')
-    with safe_open(path, framework='pt') as f:
-        md = f.metadata()
-    meta = json.loads(md['timm_patchmix'])
-    for flag in ('--opt', '--weight-decay', '--momentum', '--opt-eps', '--opt-betas'):
-        del meta['settings'][flag]
-    assert meta['args']['weight_decay'] == 0.0005
-    save_file(load_file(path), path, metadata=dict(md, timm_patchmix=json.dumps(meta)))
-    before = snapshot(old_root)
-    refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--weight-decay', '0.05']),
-            ('--weight-decay', '0.0005', '0.05'))
-    assert snapshot(old_root) == before
-    res = resume_train(old_root, 'mixup', runs['mixup'])  # its own settings still resume
-    assert [r['epoch'] for r in res['rows']] == [0, 1]
-
-
 def _rewrite_meta(path, edit):
     import json
     from safetensors import safe_open
@@ -142,6 +117,26 @@ def _rewrite_meta(path, edit):
     tensors = load_file(path)
     edit(meta, tensors)
     save_file(tensors, path, metadata=dict(md, timm_patchmix=json.dumps(meta)))
+
+
+def test_train_resume_of_an_older_state_compares_its_args(trained, tmp_path):
+    """A state written before the optimizer's settings were in its settings record: they are taken from its args,
+    so a changed --weight-decay is still named rather than silently undone by the optimizer's saved state."""
+    root, runs = trained
+    old_root = tmp_path / 'old'
+    shutil.copytree(root / 'mixup', old_root / 'mixup')
+
+    def older(meta, tensors):
+        for flag in ('--opt', '--weight-decay', '--momentum', '--opt-eps', '--opt-betas'):
+            del meta['settings'][flag]
+        assert meta['args']['weight_decay'] == 0.0005
+    _rewrite_meta(str(old_root / 'mixup' / 'state.safetensors'), older)
+    before = snapshot(old_root)
+    refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--weight-decay', '0.05']),
+            ('--weight-decay', '0.0005', '0.05'))
+    assert snapshot(old_root) == before
+    res = resume_train(old_root, 'mixup', runs['mixup'])  # its own settings still resume
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
 
 
 def test_train_resume_of_an_older_state_takes_a_new_setting_as_its_default(trained, tmp_path):

@@ -207,19 +207,18 @@ def test_the_documented_missing_timm_flags_are_refused(capsys):
 
 
 # --- timm's scheduler options -------------------------------------------------------------------------------------
+def _resolved_flags(argv, model_name='resnet8_cifar'):
+    """``train.py``'s flags ``argv`` as a config resolved on ``model_name``, and the model."""
+    m = timm.create_model(model_name, num_classes=10)
+    cfg = train_cli.parse_config(['--model', model_name] + argv)
+    return resolve(cfg, model=m, num_classes=10, data_config=timm.data.resolve_data_config({}, model=m)), m
+
+
 def _epoch_lrs(argv, epochs):
-    """The lr of each epoch under ``train.py``'s flags ``argv`` (resolved on resnet8_cifar), stepped as the loop steps
-    the scheduler, and the number of epochs timm's factory makes of them."""
-    cfg = train_cli.parse_config(['--model', 'resnet8_cifar', '--lr', '0.1', '--min-lr', '0', '--warmup-lr', '0.01',
-                                  '--sched', 'cosine'] + argv)
-    m = _model()
-    cfg = resolve(cfg, model=m, num_classes=10, data_config=timm.data.resolve_data_config({}, model=m))
-    optimizer, scheduler, num_epochs = _optimization(cfg, m, steps_per_epoch=1)
-    out = []
-    for epoch in range(epochs):
-        out.append(optimizer.param_groups[0]['lr'])
-        scheduler.step(epoch + 1, 0.0)
-    return out, num_epochs
+    """The lr of each epoch under ``train.py``'s flags ``argv`` (on resnet8_cifar), stepped as the loop steps the
+    scheduler, and the number of epochs timm's factory makes of them."""
+    cfg, m = _resolved_flags(['--lr', '0.1', '--min-lr', '0', '--warmup-lr', '0.01', '--sched', 'cosine'] + argv)
+    return _lrs(cfg, m, [0.0] * epochs), _optimization(cfg, m, steps_per_epoch=1)[2]
 
 
 def _cosine(t, span, peak, k=1.0):
@@ -289,9 +288,7 @@ def test_a_cycled_run_trains_every_cycle(tmp_path):
 
 # --- timm's optimizer options -------------------------------------------------------------------------------------
 def _optimizer(argv, model_name='resnet8_cifar'):
-    m = timm.create_model(model_name, num_classes=10)
-    cfg = train_cli.parse_config(['--model', model_name] + argv)
-    cfg = resolve(cfg, model=m, num_classes=10, data_config=timm.data.resolve_data_config({}, model=m))
+    cfg, m = _resolved_flags(argv, model_name)
     return _optimization(cfg, m, steps_per_epoch=1)[0], m
 
 

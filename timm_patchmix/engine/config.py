@@ -325,11 +325,8 @@ class TrainConfig:
         flag's, then the settings that contradict each other: each a usage error (:class:`ConfigError`, exit
         status 2 on the command line)."""
         self._check_values()
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value is not None and value not in allowed:
-                raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))}) '
-                                  f'(TrainConfig.{name})', _flag(name))
+        for name in CHOICES:
+            _check_choice(name, getattr(self, name))
         if self.test_subset is not None and not self.holdout:
             raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
                               'epoch is evaluated on --val-split, which --val-subset caps')
@@ -484,6 +481,12 @@ def check_setting(name: str, value: Any) -> None:
         _check_kwargs(name, value)
         return
     _check_field(name, value)
+    _check_choice(name, value)
+
+
+def _check_choice(name: str, value: Any) -> None:
+    """``value`` one of setting ``name``'s choices (:data:`CHOICES`), or ``None``; any value of a setting without
+    choices."""
     allowed = CHOICES.get(name)
     if allowed is not None and value is not None and value not in allowed:
         raise ConfigError(f'invalid choice: {value!r} (choose from {", ".join(map(repr, allowed))}) '
