@@ -318,9 +318,9 @@ def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str
                    f'(its flags, with - as _; timm flags it does not offer are listed in docs/training.md)')
     run_only = {k: data[k] for k in _RUN_ONLY if data.get(k)}
     if run_only:
-        _logger.info('%s: %s not read from the file (they name a run\'s folder and state; give %s)', path,
-                     ' and '.join(f'{k} {v!r}' for k, v in run_only.items()),
-                     ' / '.join('--' + k for k in run_only))
+        _logger.info('%s: %s not read from the file: a run\'s folder and the state it resumes are given on the '
+                     'command line (%s)', path, ' and '.join(f'{k} {v!r}' for k, v in run_only.items()),
+                     ', '.join('--' + k for k in run_only))
     derived = data.get('lr_source') in ('recipe', 'rule')  # an lr the recipe or timm's rule set
     if derived and data.get('lr') is not None:
         _logger.info('%s: lr %s not read from the file (lr_source: %s): the %s sets it again; give --lr to fix it',
