@@ -144,7 +144,7 @@ def test_what_a_run_resolves_is_left_out(tmp_path):
 
 
 @pytest.mark.parametrize('text, message', [
-    ('aa: rand-m9\nepochs: 2\nreprob: 0.25\n', 'unknown settings aa, reprob: not flags of train.py'),
+    ('bce_loss: true\nepochs: 2\nsync_bn: true\n', 'unknown settings bce_loss, sync_bn: not flags of train.py'),
     ('config: other.yaml\n', 'unknown setting config: not flags of train.py'),
     ('batch-size: 16\n', 'unknown setting batch-size'),
     ('epochs: 0\n', 'epochs: must be an integer >= 1'),
@@ -183,12 +183,12 @@ def test_a_missing_file_is_named(tmp_path, make, message):
 
 
 def test_on_the_command_line_a_bad_file_is_a_usage_error(tmp_path, capsys):
-    path = _file(tmp_path, 'aa: rand-m9\n')
+    path = _file(tmp_path, 'sync_bn: true\n')
     with pytest.raises(SystemExit) as e:
         resolve_args(['-c', path])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f'error: argument -c/--config: {path}: unknown setting aa' in err
+    assert f'error: argument -c/--config: {path}: unknown setting sync_bn' in err
     with pytest.raises(SystemExit) as e:
         main(['-c', path, '--output', str(tmp_path / 'out')])
     assert e.value.code == 2 and not os.path.exists(tmp_path / 'out')  # nothing is written

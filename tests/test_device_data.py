@@ -1,4 +1,5 @@
-"""``--device-data``: pixels equal to the loader path's transforms, the sampler's order, resume and DDP."""
+"""``--device-data``: pixels equal to the loader path's transforms (crop, hflip and vflip with their probabilities),
+the sampler's order, resume and DDP."""
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 @pytest.mark.parametrize('shape, pad', [((3, 32, 32), 4), ((1, 28, 28), 3), ((3, 9, 9), 8)])
 def test_crop_flip_equals_torchvision_reflect_crop_and_flip(shape, pad):
-    """Every offset and both flips, pixel for pixel against torchvision's RandomCrop(reflect) + flip."""
+    """Every offset and all four combinations of horizontal and vertical flip, pixel for pixel against torchvision's
+    RandomCrop(reflect), then hflip, then vflip."""
     from torchvision.transforms import functional as TF
     g = torch.Generator().manual_seed(pad)
     images = torch.randint(0, 256, (5, *shape), generator=g, dtype=torch.uint8)
@@ -32,24 +34,78 @@ def test_crop_flip_equals_torchvision_reflect_crop_and_flip(shape, pad):
     index = torch.arange(n) % 5
     top = torch.tensor([o[0] for o in offsets])
     left = torch.tensor([o[1] for o in offsets])
-    for flip_all in (False, True):
-        flip = torch.full((n,), flip_all) ^ (torch.arange(n) % 2 == 1)  # both flips at every offset over the loop
-        got = crop_flip(images, index, top, left, flip, pad)
-        assert got.dtype == torch.uint8 and got.shape == (n, *shape)
-        for k in range(n):
-            padded = TF.pad(images[index[k]], [pad, pad, pad, pad], padding_mode='reflect')
-            want = TF.crop(padded, int(top[k]), int(left[k]), h, w)
-            if flip[k]:
-                want = TF.hflip(want)
-            assert torch.equal(got[k], want), (k, offsets[k], bool(flip[k]))
+    seen = set()
+    for combo in range(4):  # over the loop every offset meets all four (hflip, vflip) combinations
+        flip = (torch.arange(n) + combo) % 4 >= 2
+        vflip = (torch.arange(n) + combo) % 2 == 1
+        for v in ((None, vflip) if combo == 0 else (vflip,)):
+            got = crop_flip(images, index, top, left, flip, pad, v)
+            assert got.dtype == torch.uint8 and got.shape == (n, *shape)
+            for k in range(n):
+                padded = TF.pad(images[index[k]], [pad, pad, pad, pad], padding_mode='reflect')
+                want = TF.crop(padded, int(top[k]), int(left[k]), h, w)
+                if flip[k]:
+                    want = TF.hflip(want)
+                if v is not None and v[k]:
+                    want = TF.vflip(want)
+                assert torch.equal(got[k], want), (k, offsets[k], bool(flip[k]), v is not None and bool(v[k]))
+                seen.add((offsets[k], bool(flip[k]), v is not None and bool(v[k])))
+    assert len(seen) == 4 * n
+    # vflip=None reads exactly as an all-false mask
+    flip = torch.arange(n) % 2 == 0
+    assert torch.equal(crop_flip(images, index, top, left, flip, pad),
+                       crop_flip(images, index, top, left, flip, pad, torch.zeros(n, dtype=torch.bool)))
 
 
 def test_crop_offsets_and_flips_are_uniform():
-    top, left, flip = sample_crop_flip(90_000, 4, 'cpu', torch.Generator().manual_seed(0))
+    top, left, flip, vflip = sample_crop_flip(90_000, 4, 'cpu', torch.Generator().manual_seed(0))
     for off in (top, left):
         counts = torch.bincount(off, minlength=9).double() / off.numel()
         assert off.min() == 0 and off.max() == 8 and (counts - 1 / 9).abs().max() < 0.01
     assert abs(flip.double().mean().item() - 0.5) < 0.01
+    assert vflip.dtype == torch.bool and vflip.shape == (90_000,) and not vflip.any()
+
+
+@pytest.mark.parametrize('pad', [0, 2, 4])
+def test_default_draws_are_bit_identical_to_crop_then_fair_coin(pad):
+    """hflip=0.5, vflip=0 draws exactly what randint offsets then a fair coin drew before (the default stream)."""
+    n = 1000
+    g = torch.Generator().manual_seed(123)
+    ref_off = torch.randint(0, 2 * pad + 1, (2, n), generator=g)
+    ref_flip = torch.rand(n, generator=g) < 0.5
+    ref_next = torch.rand(8, generator=g)  # the generator's state after the draws
+    for kwargs in (dict(), dict(hflip=0.5, vflip=0.0)):
+        g = torch.Generator().manual_seed(123)
+        top, left, flip, vflip = sample_crop_flip(n, pad, 'cpu', g, **kwargs)
+        assert torch.equal(top, ref_off[0]) and torch.equal(left, ref_off[1]) and torch.equal(flip, ref_flip)
+        assert torch.equal(vflip, torch.zeros(n, dtype=torch.bool))
+        assert torch.equal(torch.rand(8, generator=g), ref_next)  # no extra draw for vflip=0
+    # the offsets do not depend on the probabilities, nor the hflip mask on vflip
+    g = torch.Generator().manual_seed(123)
+    top, left, flip, vflip = sample_crop_flip(n, pad, 'cpu', g, hflip=0.0, vflip=0.3)
+    assert torch.equal(top, ref_off[0]) and torch.equal(left, ref_off[1]) and not flip.any()
+    g = torch.Generator().manual_seed(123)
+    assert torch.equal(sample_crop_flip(n, pad, 'cpu', g, hflip=0.5, vflip=0.3)[2], ref_flip)
+
+
+@pytest.mark.parametrize('hflip, vflip', [(0.2, 0.7), (0.7, 0.2), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0)])
+def test_flip_frequencies_follow_the_probabilities(hflip, vflip):
+    n = 400_000  # binomial sd <= 0.0008; 0.004 is five of them
+    g = torch.Generator().manual_seed(7)
+    _, _, hmask, vmask = sample_crop_flip(n, 4, 'cpu', g, hflip=hflip, vflip=vflip)
+    assert hmask.dtype == vmask.dtype == torch.bool
+    assert abs(hmask.double().mean().item() - hflip) < 0.004
+    assert abs(vmask.double().mean().item() - vflip) < 0.004
+    assert abs((hmask & vmask).double().mean().item() - hflip * vflip) < 0.004  # drawn independently
+    # the exact masks: thresholds on the same uniforms
+    g = torch.Generator().manual_seed(7)
+    torch.randint(0, 9, (2, n), generator=g)
+    u = torch.rand(n, generator=g)
+    assert torch.equal(hmask, u < hflip)
+    if vflip > 0:
+        assert torch.equal(vmask, torch.rand(n, generator=g) < vflip)
+    else:
+        assert not vmask.any()
 
 
 def test_eval_batches_equal_the_prefetch_loader():
@@ -88,11 +144,75 @@ def test_train_batches_follow_the_sampler_and_augment_on_device():
     for k, (x, y) in enumerate(batches):
         index = torch.tensor(order[6 * k:6 * (k + 1)])
         assert torch.equal(y, labels[index])
-        top, left, flip = sample_crop_flip(6, 2, 'cpu')
+        top, left, flip, vflip = sample_crop_flip(6, 2, 'cpu')
+        assert not vflip.any()
         want = normalise(crop_flip(images, index, top, left, flip, 2), mean, std)
         assert x.dtype == torch.float32 and torch.equal(x, want)
     with pytest.raises(ValueError, match='crop padding 16 must be below the image side'):
         DeviceTrainLoader(data, sampler, 6, MEAN, STD, pad=16)
+
+
+def _flip_loader_setup():
+    g = torch.Generator().manual_seed(5)
+    images = torch.randint(0, 256, (24, 3, 12, 12), generator=g, dtype=torch.uint8)
+    data = DeviceImages(images, torch.arange(24) % 5)
+    sampler = torch.utils.data.DistributedSampler(range(24), num_replicas=1, rank=0, shuffle=True, seed=1)
+    sampler.set_epoch(0)
+    mean = torch.tensor([m * 255 for m in MEAN]).view(1, 3, 1, 1)
+    std = torch.tensor([s * 255 for s in STD]).view(1, 3, 1, 1)
+    return images, data, sampler, list(iter(sampler)), mean, std
+
+
+def test_train_loader_flip_probabilities_zero_and_one():
+    """hflip=vflip=0: the batches are the pure crops; hflip=1 and/or vflip=1 flip every image; the offsets are the
+    same draws whatever the probabilities."""
+    from torchvision.transforms import functional as TF
+    images, data, sampler, order, mean, std = _flip_loader_setup()
+    for hflip, vflip in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
+        loader = DeviceTrainLoader(data, sampler, 8, MEAN, STD, pad=3, hflip=hflip, vflip=vflip)
+        assert len(loader) == 3
+        torch.manual_seed(4)
+        batches = list(loader)
+        torch.manual_seed(4)
+        for k, (x, y) in enumerate(batches):
+            index = torch.tensor(order[8 * k:8 * (k + 1)])
+            top = torch.randint(0, 7, (2, 8))
+            torch.rand(8)  # the horizontal coin, always drawn
+            if vflip > 0:
+                torch.rand(8)
+            crops = torch.stack([TF.crop(TF.pad(images[i], [3, 3, 3, 3], padding_mode='reflect'), t, c, 12, 12)
+                                 for i, t, c in zip(index.tolist(), top[0].tolist(), top[1].tolist())])
+            if hflip:
+                crops = crops.flip(-1)
+            if vflip:
+                crops = crops.flip(-2)
+            assert torch.equal(x, normalise(crops, mean, std)) and torch.equal(y, data.labels[index])
+
+
+def test_train_loader_draws_vflip_from_the_device_generator():
+    """A vflip between 0 and 1 flips what sample_crop_flip's vertical mask says, replayed from the same seed."""
+    images, data, sampler, order, mean, std = _flip_loader_setup()
+    loader = DeviceTrainLoader(data, sampler, 8, MEAN, STD, pad=2, hflip=0.3, vflip=0.6)
+    torch.manual_seed(11)
+    batches = list(loader)
+    torch.manual_seed(11)
+    flips = []
+    for k, (x, _) in enumerate(batches):
+        index = torch.tensor(order[8 * k:8 * (k + 1)])
+        top, left, flip, vflip = sample_crop_flip(8, 2, 'cpu', hflip=0.3, vflip=0.6)
+        flips.append(vflip)
+        assert torch.equal(x, normalise(crop_flip(images, index, top, left, flip, 2, vflip), mean, std))
+    assert torch.cat(flips).any() and not torch.cat(flips).all()  # this seed exercises both branches
+
+
+@pytest.mark.parametrize('kwargs, name', [(dict(hflip=1.5), 'hflip'), (dict(hflip=-0.1), 'hflip'),
+                                          (dict(vflip=1.5), 'vflip'), (dict(vflip=float('nan')), 'vflip')])
+def test_flip_probabilities_out_of_range_are_refused(kwargs, name):
+    _, data, sampler, _, _, _ = _flip_loader_setup()
+    with pytest.raises(ValueError, match=f'{name} must be a probability in \\[0, 1\\]'):
+        DeviceTrainLoader(data, sampler, 8, MEAN, STD, pad=2, **kwargs)
+    with pytest.raises(ValueError, match=f'{name} must be a probability'):
+        sample_crop_flip(4, 2, 'cpu', **kwargs)
 
 
 def test_device_data_run_resumes_bit_exactly(tmp_path):

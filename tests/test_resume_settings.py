@@ -97,6 +97,9 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--model-ema'], [('--model-ema', 'False', 'True')]),
     # the normalisation is part of the data
     ('mixup', None, ['--mean', '0.5', '--std', '0.25'], [('--mean', 'None', '[0.5]'), ('--std', 'None', '[0.25]')]),
+    # and so is its augmentation
+    ('mixup', None, ['--reprob', '0.25'], [('--reprob', '0.0', '0.25')]),
+    ('mixup', None, ['--aa', 'v0', '--hflip', '0'], [('--aa', 'None', "'v0'"), ('--hflip', '0.5', '0.0')]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained

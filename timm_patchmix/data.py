@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -12,7 +13,7 @@ from torch.utils.data import Dataset
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
-           'default_crop_padding', 'small_image_transform', 'image_transform', 'pixel_transform', 'read_idx',
+           'Augment', 'default_crop_padding', 'small_image_transform', 'image_transform', 'pixel_transform', 'read_idx',
            'DatasetError',
            'shared_files']
 
@@ -437,24 +438,80 @@ def default_crop_padding(img_size: int) -> int:
     return img_size // 8
 
 
+@dataclass(frozen=True)
+class Augment:
+    """The training augmentation of timm's flags (``--no-aug``, ``--scale``, ``--ratio``, ``--hflip``, ``--vflip``,
+    ``--color-jitter``, ``--aa``, ``--reprob``/``--remode``/``--recount``, ``--train-interpolation``), with
+    timm's train.py defaults. ``None`` is timm's value on timm's transform (``scale`` (0.08, 1), ``ratio``
+    (3/4, 4/3), ``color_jitter`` 0.4, ``interpolation`` 'random') and off on the CIFAR-style one. Random erasing
+    belongs to the tensor transform without the prefetcher; with it, to timm's ``PrefetchLoader``
+    (:meth:`prefetch_erasing`)."""
+    no_aug: bool = False
+    scale: Optional[Tuple[float, float]] = None
+    ratio: Optional[Tuple[float, float]] = None
+    hflip: float = 0.5
+    vflip: float = 0.0
+    color_jitter: Optional[float] = None
+    aa: Optional[str] = None
+    reprob: float = 0.0
+    remode: str = 'pixel'
+    recount: int = 1
+    interpolation: Optional[str] = None
+
+    def prefetch_erasing(self) -> dict:
+        """The random-erasing arguments of timm's ``PrefetchLoader`` for the training loader (none with
+        ``no_aug``, as timm's ``create_loader``)."""
+        return dict(re_prob=0.0 if self.no_aug else self.reprob, re_mode=self.remode, re_count=self.recount)
+
+
 def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_prefetcher: bool,
-                          mean, std, crop_padding: Optional[int] = None):
+                          mean, std, crop_padding: Optional[int] = None, augment: Optional[Augment] = None):
     """CIFAR-style transform for small images: resize to ``img_size`` if needed, then (training) a random crop
-    with padding and a horizontal flip. Ends in uint8 CHW numpy for the prefetcher, or a normalised tensor."""
+    with reflect padding, the flips, timm's AutoAugment/RandAugment/AugMix policy (``--aa``) and colour jitter
+    when ``augment`` asks for them (by default the crop and a horizontal flip of probability 0.5; none with
+    ``no_aug``). Ends in uint8 CHW numpy for the prefetcher, or a normalised tensor (then randomly erased when
+    ``augment.reprob``)."""
     from torchvision import transforms as T
     from timm.data.loader import adapt_to_chs
     from timm.data.transforms import ToNumpy
+    aug = augment or Augment()
     ops = [T.Lambda(_ImageMode(in_chans))]
     ops.append(T.Resize(img_size, interpolation=T.InterpolationMode.BILINEAR))
     ops.append(T.CenterCrop(img_size))
-    if is_training:
+    training = is_training and not aug.no_aug
+    if training:
         pad = default_crop_padding(img_size) if crop_padding is None else crop_padding
-        ops += [T.RandomCrop(img_size, padding=pad, padding_mode='reflect'), T.RandomHorizontalFlip()]
+        ops.append(T.RandomCrop(img_size, padding=pad, padding_mode='reflect'))
+        if aug.hflip > 0:
+            ops.append(T.RandomHorizontalFlip(aug.hflip))
+        if aug.vflip > 0:
+            ops.append(T.RandomVerticalFlip(aug.vflip))
+        if aug.aa:
+            ops.append(_policy(aug.aa, img_size, adapt_to_chs(mean, in_chans), 'bilinear'))
+        if aug.color_jitter and not (aug.aa and '3a' not in aug.aa):  # timm's rule: no jitter beside a policy
+            ops.append(T.ColorJitter(*(float(aug.color_jitter),) * 3))
     if use_prefetcher:
         ops.append(ToNumpy())
     else:
         ops += [T.ToTensor(), T.Normalize(adapt_to_chs(mean, in_chans), adapt_to_chs(std, in_chans))]
+        if training and aug.reprob > 0:
+            from timm.data.random_erasing import RandomErasing
+            ops.append(RandomErasing(aug.reprob, mode=aug.remode, max_count=aug.recount, device='cpu'))
     return T.Compose(ops)
+
+
+def _policy(aa: str, img_size: int, mean, interpolation: str):
+    """timm's transform for the policy string ``aa``, with the parameters timm's ``create_transform`` gives it
+    (translation up to 0.45 of the side, the mean colour as fill)."""
+    from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
+    from timm.data.transforms import str_to_pil_interp
+    params = dict(translate_const=int(img_size * 0.45), img_mean=tuple(min(255, round(255 * m)) for m in mean),
+                  interpolation=str_to_pil_interp(interpolation))
+    if aa.startswith('rand'):
+        return rand_augment_transform(aa, params)
+    if aa.startswith('augmix'):
+        return augment_and_mix_transform(aa, dict(params, translate_pct=0.3))
+    return auto_augment_transform(aa, params)
 
 
 class _ImageMode:
@@ -468,19 +525,29 @@ class _ImageMode:
 
 
 def image_transform(input_size, is_training: bool, use_prefetcher: bool, mean, std,
-                    interpolation: str = 'bilinear', crop_pct: Optional[float] = None):
+                    interpolation: str = 'bilinear', crop_pct: Optional[float] = None,
+                    augment: Optional[Augment] = None):
     """The transform ``train.py`` gives images of ``input_size`` ``(C, H, W)``: for a square input of at most 64 px
     the CIFAR-style :func:`small_image_transform`, else timm's ``create_transform`` (``crop_pct`` and
-    ``interpolation`` as the model's data config says), after the image is made greyscale or RGB for ``C``."""
+    ``interpolation`` as the model's data config says; in training, ``augment``'s flags with timm's defaults and
+    timm's ``--train-interpolation`` rule), after the image is made greyscale or RGB for ``C``."""
     in_chans, h, w = input_size
     if max(h, w) <= 64 and h == w:  # the CIFAR-style crop and flip is square; other shapes get timm's transforms
-        return small_image_transform(h, is_training, in_chans, use_prefetcher, mean, std)
+        return small_image_transform(h, is_training, in_chans, use_prefetcher, mean, std, augment=augment)
     from timm.data import create_transform
     from torchvision import transforms as T
-    extra = {} if is_training else {'crop_pct': crop_pct}
+    if is_training:
+        aug = augment or Augment()
+        # timm's train.py: the training interpolation is 'random' unless given, the model's with --no-aug
+        train_interp = interpolation if aug.no_aug else (aug.interpolation or 'random')
+        extra = dict(no_aug=aug.no_aug, scale=aug.scale, ratio=aug.ratio, hflip=aug.hflip, vflip=aug.vflip,
+                     color_jitter=0.4 if aug.color_jitter is None else aug.color_jitter, auto_augment=aug.aa,
+                     re_prob=aug.reprob, re_mode=aug.remode, re_count=aug.recount, interpolation=train_interp)
+    else:
+        extra = dict(crop_pct=crop_pct, interpolation=interpolation)
     return T.Compose([_ImageMode(in_chans),
                       create_transform(tuple(input_size), is_training=is_training, use_prefetcher=use_prefetcher,
-                                       mean=mean, std=std, interpolation=interpolation, **extra)])
+                                       mean=mean, std=std, **extra)])
 
 
 def recorded_data_config(data: dict, model: torch.nn.Module) -> dict:

@@ -113,6 +113,30 @@ def _model_flags(g) -> None:
                    help="timm's decay warm-up: a lower decay over the first updates, rising to --model-ema-decay")
 
 
+def _augment_flags(g) -> None:
+    g.add_argument('--no-aug', action='store_true', default=False,
+                   help='no training augmentation: the evaluation transform (resize and centre crop)')
+    g.add_argument('--scale', type=VALUE_TYPES['scale'], nargs=2, default=None, metavar=('MIN', 'MAX'),
+                   help="random-resized-crop area range (default 0.08 1; inputs other than a square of at most "
+                        "64 px, whose CIFAR-style crop is a padded random crop)")
+    g.add_argument('--ratio', type=VALUE_TYPES['ratio'], nargs=2, default=None, metavar=('MIN', 'MAX'),
+                   help="random-resized-crop aspect range (default 3/4 4/3; as --scale)")
+    g.add_argument('--hflip', type=VALUE_TYPES['hflip'], default=0.5, help='horizontal flip probability')
+    g.add_argument('--vflip', type=VALUE_TYPES['vflip'], default=0.0, help='vertical flip probability')
+    g.add_argument('--color-jitter', type=VALUE_TYPES['color_jitter'], default=None, metavar='PCT',
+                   help="colour jitter factor (default: timm's 0.4 on timm's transform, none on the CIFAR-style "
+                        "one; with --aa, none unless the policy is 3a, as in timm)")
+    g.add_argument('--aa', default=None, metavar='POLICY',
+                   help="timm's AutoAugment/RandAugment/AugMix policy, e.g. rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
+                        "original, v0, 3a")
+    g.add_argument('--reprob', type=VALUE_TYPES['reprob'], default=0.0,
+                   help='random erasing probability (after normalisation; with the prefetcher, on the batch)')
+    g.add_argument('--remode', default='pixel', choices=CHOICES['remode'], help='random erasing fill')
+    g.add_argument('--recount', type=VALUE_TYPES['recount'], default=1, help='random erasing count')
+    g.add_argument('--train-interpolation', default=None, choices=CHOICES['train_interpolation'],
+                   help="training resize interpolation (default random; as --scale)")
+
+
 def _optimizer_flags(g) -> None:
     g.add_argument('-b', '--batch-size', type=VALUE_TYPES['batch_size'], default=None)
     g.add_argument('-vb', '--validation-batch-size', type=VALUE_TYPES['validation_batch_size'], default=None)
@@ -251,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flag(p)
     _dataset_flags(p.add_argument_group('Dataset'))
     _model_flags(p.add_argument_group('Model'))
+    _augment_flags(p.add_argument_group('Augmentation'))
     _optimizer_flags(p.add_argument_group('Optimizer and schedule'))
     _mixing_flags(p.add_argument_group('Mixing and loss'))
     _running_flags(p.add_argument_group('Running'))

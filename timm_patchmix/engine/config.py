@@ -45,6 +45,8 @@ CHOICES: Dict[str, Tuple[Any, ...]] = {
     'mixup_mode': ('batch', 'pair', 'elem', 'half'), 'patchmix_mode': ('elem', 'pair', 'batch'),
     'amp_dtype': ('float16', 'bfloat16'), 'eval_metric': ('top1', 'top5', 'loss'),
     'interpolation': ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos'),
+    'train_interpolation': ('random', 'nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos'),
+    'remode': ('const', 'rand', 'pixel'),
     'lr_source': ('flag', 'recipe', 'rule'),
     'dist_bn': ('', 'broadcast', 'reduce')}
 # The range of every numeric setting: the argument type its flag parses each value with (timm_patchmix.cli_types),
@@ -59,6 +61,9 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'num_classes': positive_int, 'in_chans': positive_int, 'img_size': positive_int, 'input_size': positive_int,
     'drop': probability, 'drop_path': probability, 'model_ema_decay': fraction, 'mean': float_range(),
     'std': positive_float, 'crop_pct': positive_float,
+    # training augmentation
+    'scale': float_range(0.0, 1.0, lo_open=True, name='area_fraction'), 'ratio': positive_float, 'hflip': probability,
+    'vflip': probability, 'color_jitter': nonneg_float, 'reprob': probability, 'recount': positive_int,
     # optimizer and schedule
     'batch_size': positive_int, 'validation_batch_size': positive_int, 'grad_accum_steps': positive_int,
     'opt_eps': nonneg_float,
@@ -82,7 +87,8 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
 # no maximum); ``grid`` (P or rows cols) is checked by normal_grid
 SEQUENCES: Dict[str, Tuple[int, Optional[int]]] = {
     'input_size': (3, 3), 'opt_betas': (1, None), 'cutmix_minmax': (2, 2), 'grid': (1, 2), 'fgsm': (1, None),
-    'decay_milestones': (1, None), 'lr_noise': (1, 2), 'mean': (1, None), 'std': (1, None)}
+    'decay_milestones': (1, None), 'lr_noise': (1, 2), 'mean': (1, None), 'std': (1, None), 'scale': (2, 2),
+    'ratio': (2, 2)}
 # settings of keyword arguments by name (timm's ParseKwargs flags), for the model and the optimizer
 KWARGS = ('model_kwargs', 'opt_kwargs')
 # settings that name a file or folder: a str or an os.PathLike (kept as its str)
@@ -200,6 +206,20 @@ class TrainConfig:
     model_ema: bool = False
     model_ema_decay: float = 0.9998
     model_ema_warmup: bool = False
+    # training augmentation, timm's flags and defaults (see timm_patchmix.data.image_transform): None is timm's
+    # value on timm's transform (scale (0.08, 1), ratio (3/4, 4/3), colour jitter 0.4, 'random' interpolation) and
+    # off on the CIFAR-style one, which neither resizes nor jitters unless told; random erasing follows normalisation
+    no_aug: bool = False
+    scale: Optional[Tuple[float, float]] = None
+    ratio: Optional[Tuple[float, float]] = None
+    hflip: float = 0.5
+    vflip: float = 0.0
+    color_jitter: Optional[float] = None
+    aa: Optional[str] = None
+    reprob: float = 0.0
+    remode: str = 'pixel'
+    recount: int = 1
+    train_interpolation: Optional[str] = None
     # optimizer and schedule
     batch_size: Optional[int] = None
     validation_batch_size: Optional[int] = None
@@ -336,6 +356,7 @@ class TrainConfig:
         if self.cutmix_minmax is not None and self.cutmix_minmax[0] > self.cutmix_minmax[1]:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')
+        self._check_augment()
         if self.reset_head and not (self.pretrained or self.initial_checkpoint):
             raise ConfigError('--reset-head re-initialises the classifier of loaded weights; add --pretrained or '
                               '--initial-checkpoint (a model without them starts with a fresh classifier already)')
@@ -368,6 +389,36 @@ class TrainConfig:
         if self.patchmix and self.patchmix_collate and self.no_prefetcher:
             raise ConfigError('--patchmix-collate mixes uint8 batches in the collate step and needs the '
                               'prefetcher; drop --no-prefetcher or --patchmix-collate')
+
+    def _check_augment(self) -> None:
+        """The augmentation flags together: ranges in order, no flag that another switches off, a policy timm
+        knows. Those that need the input size (a resized crop on the CIFAR-style transform) are checked by
+        :func:`~timm_patchmix.engine.loaders.resolve_data`."""
+        for name in ('scale', 'ratio'):
+            value = getattr(self, name)
+            if value is not None and value[0] > value[1]:
+                raise ConfigError(f'MIN {value[0]:g} is above MAX {value[1]:g}', _flag(name))
+        if self.aa is not None:
+            _check_policy(self.aa)
+        given = self.augment_flags()
+        if self.no_aug and given:
+            raise ConfigError(f'--no-aug switches training augmentation off; {" and ".join(given)} would be unused. '
+                              f'Drop one or the other')
+        if self.reprob == 0 and (self.remode != 'pixel' or self.recount != 1):
+            raise ConfigError(f'{"--remode" if self.remode != "pixel" else "--recount"} sets the random erasing of '
+                              f'--reprob, which is 0; add --reprob P')
+        loader_only = [f for f in given if f in ('--aa', '--color-jitter', '--reprob', '--scale', '--ratio',
+                                                 '--train-interpolation')]
+        if self.device_data and loader_only:
+            raise ConfigError(f'--device-data crops, flips and normalises on the device; {" and ".join(loader_only)} '
+                              f'{"is a transform" if len(loader_only) == 1 else "are transforms"} of the data loader. '
+                              f'Drop --device-data or {" and ".join(loader_only)}')
+
+    def augment_flags(self) -> Tuple[str, ...]:
+        """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""
+        return tuple(_flag(name) for name in ('scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob',
+                                              'train_interpolation')
+                     if getattr(self, name) != _FIELDS[name].default)
 
     def _check_values(self) -> None:
         """Every setting of its kind: numbers in their flags' ranges (:data:`VALUE_TYPES`), sequences of their
@@ -513,6 +564,26 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return v
+
+
+def _check_policy(aa: str) -> None:
+    """``--aa`` a policy string timm's augmentation factories read (``rand-m9-mstd0.5``, ``augmix-m5-w4-d2``,
+    ``original``, ``v0``, ``3a``, ...), by building it once."""
+    from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
+    params = {'translate_const': 100, 'img_mean': (124, 116, 104)}
+    try:
+        if not isinstance(aa, str) or not aa:
+            raise ValueError
+        if aa.startswith('rand'):
+            rand_augment_transform(aa, params)
+        elif aa.startswith('augmix'):
+            augment_and_mix_transform(aa, dict(params, translate_pct=0.3))
+        else:
+            auto_augment_transform(aa, params)
+    except Exception:  # timm's parsers raise AssertionError, KeyError, ValueError or worse for a bad string
+        raise ConfigError(f"timm has no augmentation policy {aa!r}: give rand-m<M>[-n<N>][-mstd<S>]... "
+                          f"(RandAugment), augmix-m<M>-w<W>-d<D> (AugMix) or an AutoAugment policy (original, "
+                          f"originalr, v0, v0r, 3a)", '--aa') from None
 
 
 def _check_optimizer(opt: str) -> None:

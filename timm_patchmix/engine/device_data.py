@@ -3,8 +3,9 @@
 For datasets of small images (CIFAR-size, Fashion-MNIST, the embedded set) a data loader costs more than the model:
 decoding, per-image transforms and a host-to-device copy of every batch. With ``--device-data`` the images go
 through the evaluation transform once (resize and centre crop, uint8), stay on the device, and each training batch
-is made there by one gather: the random crop with reflect padding and the horizontal flip of the CIFAR-style
-transform (:func:`timm_patchmix.data.small_image_transform`) become index arithmetic, and normalisation is timm's
+is made there by one gather: the random crop with reflect padding of the CIFAR-style transform
+(:func:`timm_patchmix.data.small_image_transform`) and the horizontal and vertical flips, each with its own probability
+(timm's ``--hflip``, default 0.5, and ``--vflip``, default 0), become index arithmetic, and normalisation is timm's
 ``PrefetchLoader`` formula. Batches come in the order of the same ``DistributedSampler`` as the loader path, and
 the crops and flips are drawn from the device's default generator, which the epoch loop seeds per epoch and rank,
 so a resumed run replays its epochs and every DDP rank trains on its own share.
@@ -66,15 +67,19 @@ def _reflect(pos: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def crop_flip(images: torch.Tensor, index: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
-              pad: int) -> torch.Tensor:
+              pad: int, vflip: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``images[index]`` reflect-padded by ``pad``, cropped back to ``H x W`` at ``(top, left)`` of the padded
-    image (each in ``[0, 2 * pad]``) and flipped left-right where ``flip``: one gather, dtype kept.
+    image (each in ``[0, 2 * pad]``), flipped left-right where ``flip`` and upside down where ``vflip`` (bool
+    ``[B]``; ``None``: no vertical flips): one gather, dtype kept.
 
-    Pixel for pixel what ``RandomCrop(size, padding=pad, padding_mode='reflect')`` then ``RandomHorizontalFlip``
-    give for the same offsets and flips."""
+    Pixel for pixel what ``RandomCrop(size, padding=pad, padding_mode='reflect')``, then ``hflip`` where ``flip``,
+    then ``vflip`` where ``vflip`` give for the same offsets and flips (timm's order; the two flips commute)."""
     _, c, h, w = images.shape
     dev = images.device
-    rows = _reflect(top[:, None] + torch.arange(h, device=dev) - pad, h)  # [B, H] source rows
+    i = torch.arange(h, device=dev)
+    if vflip is not None:
+        i = torch.where(vflip[:, None], (h - 1) - i, i)  # a vertical flip reads the crop's rows backwards
+    rows = _reflect(top[:, None] + i - pad, h)  # [B, H] source rows
     j = torch.arange(w, device=dev)
     j = torch.where(flip[:, None], (w - 1) - j, j)  # a flip reads the crop's columns backwards
     cols = _reflect(left[:, None] + j - pad, w)  # [B, W] source columns
@@ -83,13 +88,29 @@ def crop_flip(images: torch.Tensor, index: torch.Tensor, top: torch.Tensor, left
                   cols[:, None, None, :]]
 
 
-def sample_crop_flip(n: int, pad: int, device, generator: Optional[torch.Generator] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Crop offsets ``top, left`` uniform in ``[0, 2 * pad]`` (as ``RandomCrop`` draws them) and fair-coin flips,
-    drawn on ``device``."""
+def _check_probability(name: str, p: float) -> float:
+    if not 0.0 <= p <= 1.0:  # also refuses NaN
+        raise ValueError(f'{name} must be a probability in [0, 1], got {p}')
+    return float(p)
+
+
+def sample_crop_flip(n: int, pad: int, device, generator: Optional[torch.Generator] = None, hflip: float = 0.5,
+                     vflip: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Crop offsets ``top, left`` uniform in ``[0, 2 * pad]`` (as ``RandomCrop`` draws them), a horizontal flip
+    mask true with probability ``hflip`` and a vertical one true with probability ``vflip``, all drawn on ``device``
+    without a host sync. Returns ``(top, left, hflip_mask, vflip_mask)``.
+
+    The offsets and the horizontal mask are always drawn, in that order (so the stream does not depend on
+    ``hflip``); the vertical mask takes a draw of its own only when ``vflip > 0`` and is all false otherwise, which
+    leaves the default ``hflip=0.5, vflip=0`` stream that of a plain crop and fair-coin flip."""
+    hflip, vflip = _check_probability('hflip', hflip), _check_probability('vflip', vflip)
     off = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
-    flip = torch.rand(n, device=device, generator=generator) < 0.5
-    return off[0], off[1], flip
+    hmask = torch.rand(n, device=device, generator=generator) < hflip
+    if vflip > 0:
+        vmask = torch.rand(n, device=device, generator=generator) < vflip
+    else:
+        vmask = torch.zeros(n, dtype=torch.bool, device=device)
+    return off[0], off[1], hmask, vmask
 
 
 def normalise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -106,14 +127,17 @@ class DeviceTrainLoader:
     """Training batches ``(float32 [B, C, H, W] normalised, int64 [B])`` made on the device, whole batches only.
 
     ``sampler`` gives this process's indices of each epoch (the epoch loop calls its ``set_epoch``); ``pad`` is the
-    crop padding (0: no crop), ``flip`` switches the horizontal flip."""
+    crop padding (0: no crop); each image is flipped left-right with probability ``hflip`` and upside down with
+    probability ``vflip`` (timm's ``--hflip`` and ``--vflip``)."""
 
-    def __init__(self, data: DeviceImages, sampler, batch_size: int, mean, std, pad: int, flip: bool = True):
+    def __init__(self, data: DeviceImages, sampler, batch_size: int, mean, std, pad: int, hflip: float = 0.5,
+                 vflip: float = 0.0):
         h, w = data.images.shape[-2:]
         if pad >= min(h, w):
             raise ValueError(f'crop padding {pad} must be below the image side ({h}x{w}) for reflect padding')
         self.data, self.sampler, self.batch_size = data, sampler, batch_size
-        self.pad, self.flip = pad, flip
+        self.pad = pad
+        self.hflip, self.vflip = _check_probability('hflip', hflip), _check_probability('vflip', vflip)
         dev, c = data.images.device, data.images.shape[1]
         self.mean, self.std = _scaled(mean, c, dev), _scaled(std, c, dev)
 
@@ -125,10 +149,9 @@ class DeviceTrainLoader:
         order = torch.as_tensor(list(iter(self.sampler)), dtype=torch.long).to(dev)  # once per epoch
         for k in range(len(self)):
             index = order[k * self.batch_size:(k + 1) * self.batch_size]
-            top, left, flip = sample_crop_flip(index.shape[0], self.pad, dev)
-            if not self.flip:
-                flip = torch.zeros_like(flip)
-            x = crop_flip(self.data.images, index, top, left, flip, self.pad)
+            top, left, flip, vflip = sample_crop_flip(index.shape[0], self.pad, dev, hflip=self.hflip,
+                                                      vflip=self.vflip)
+            x = crop_flip(self.data.images, index, top, left, flip, self.pad, vflip if self.vflip > 0 else None)
             yield normalise(x, self.mean, self.std), self.data.labels[index]
 
 

@@ -12,7 +12,7 @@ from .config import DataConfig, TrainConfig
 from .errors import ConfigError, TrainSetupError
 from .runtime import Runtime, StridedSampler
 
-__all__ = ['Datasets', 'Loaders', 'build_datasets', 'resolve_data', 'build_mixing', 'build_loaders']
+__all__ = ['Datasets', 'Loaders', 'build_datasets', 'resolve_data', 'augment', 'build_mixing', 'build_loaders']
 
 
 @dataclass
@@ -137,11 +137,13 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
             raise ConfigError(f'takes one value or one per channel of the {chans}-channel input, got {len(value)}: '
                               f'{" ".join(f"{v:g}" for v in value)}', '--' + name)
         flags[name] = tuple(value) * (chans if len(value) == 1 else 1)
-    unused = [flag for flag, value in (('--crop-pct', cfg.crop_pct), ('--interpolation', cfg.interpolation)) if value]
+    unused = [flag for flag, value in (('--crop-pct', cfg.crop_pct), ('--interpolation', cfg.interpolation),
+                                       ('--scale', cfg.scale), ('--ratio', cfg.ratio),
+                                       ('--train-interpolation', cfg.train_interpolation)) if value]
     if unused and size[1] == size[2] and size[1] <= 64:
         raise ConfigError(f'the {size[1]}x{size[2]} input takes the CIFAR-style transform, which neither crops by a '
-                          f'fraction nor resizes but bilinearly; {" and ".join(unused)} would be unused',
-                          unused[0])
+                          f'fraction nor resizes but bilinearly (its training crop is a padded random crop); '
+                          f'{" and ".join(unused)} would be unused', unused[0])
     flags.update({k: v for k, v in (('crop_pct', cfg.crop_pct), ('interpolation', cfg.interpolation)) if v})
     data_config = resolve_data_config(flags, model=model, verbose=verbose)
     if cfg.in_chans is not None and cfg.input_size is None:  # the model cfg's input_size names 3 channels
@@ -149,12 +151,20 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
     return DataConfig.from_timm(data_config)
 
 
+def augment(cfg: TrainConfig):
+    """The training augmentation of ``cfg``'s flags (:class:`~timm_patchmix.data.Augment`)."""
+    from ..data import Augment
+    return Augment(no_aug=cfg.no_aug, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip, vflip=cfg.vflip,
+                   color_jitter=cfg.color_jitter, aa=cfg.aa, reprob=cfg.reprob, remode=cfg.remode,
+                   recount=cfg.recount, interpolation=cfg.train_interpolation)
+
+
 def _transforms(cfg: TrainConfig):
     """The training and evaluation transforms of a resolved ``cfg`` (:func:`~timm_patchmix.data.image_transform`)."""
     from ..data import image_transform
     dc = cfg.data_config
     return tuple(image_transform(dc.input_size, training, cfg.prefetch, dc.mean, dc.std, dc.interpolation,
-                                 dc.crop_pct) for training in (True, False))
+                                 dc.crop_pct, augment(cfg) if training else None) for training in (True, False))
 
 
 def build_mixing(cfg: TrainConfig, class_names):
@@ -224,7 +234,8 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
     test = _eval_loader(cfg, data.test, rt) if data.test is not None else None
     if cfg.prefetch:
         dc = cfg.data_config
-        train = PrefetchLoader(train, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device)
+        train = PrefetchLoader(train, mean=dc.mean, std=dc.std, channels=dc.input_size[0], device=rt.device,
+                               **augment(cfg).prefetch_erasing())
     return Loaders(train, val, sampler, generator, mixer, collate, test)
 
 
@@ -255,14 +266,16 @@ def _device_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
                               f'--device-data to use the data loader and its transforms')
     mixer, _ = build_mixing(cfg, data.class_names)
     uint8 = small_image_transform(h, False, in_chans, True, dc.mean, dc.std)  # resize and centre crop, no aug
-    pad = default_crop_padding(h)
+    pad = 0 if cfg.no_aug else default_crop_padding(h)
     try:
         images = {name: DeviceImages.from_dataset(ds, uint8, rt.device, cfg.workers or 0)
                   for name, ds in (('train', data.train), ('val', data.val), ('test', data.test)) if ds is not None}
     except MemoryError as e:
         raise TrainSetupError(str(e)) from None
     sampler = _train_sampler(cfg, data, rt)
-    train = _non_empty(DeviceTrainLoader(images['train'], sampler, cfg.batch_size, dc.mean, dc.std, pad), cfg, data)
+    flips = dict(hflip=0.0, vflip=0.0) if cfg.no_aug else dict(hflip=cfg.hflip, vflip=cfg.vflip)
+    train = _non_empty(DeviceTrainLoader(images['train'], sampler, cfg.batch_size, dc.mean, dc.std, pad, **flips),
+                       cfg, data)
     vb = cfg.validation_batch_size or cfg.batch_size
 
     def evaluation(name):

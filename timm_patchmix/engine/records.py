@@ -29,7 +29,9 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'patchmix_alpha', 'patchmix_prob', 'patchmix_off_epoch', 'guided_prob', 'random_prob', 'mixup',
                    'cutmix', 'cutmix_minmax', 'mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch',
                    'no_prefetcher', 'device_data', 'smoothing', 'no_patch_loss', 'no_image_loss',
-                   'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema')
+                   'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema', 'no_aug',
+                   'scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob', 'remode', 'recount',
+                   'train_interpolation')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
@@ -101,6 +103,19 @@ EMA_PREFIX = 'ema.'
 ROW_KEYS = ('epoch', 'train_loss', 'eval_loss', 'eval_top1', 'eval_top5', 'lr', 'img_s')
 
 
+def _older_settings(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """The :data:`RESUME_SETTINGS` that the args of an older version's state lack, as that version trained: the
+    defaults, but for ``train_interpolation``, which before its flag was the model's interpolation on inputs that
+    take timm's transform (other than a square of at most 64 px)."""
+    fill = {k: _DEFAULTS[k] for k in RESUME_SETTINGS if k not in saved}
+    data = saved.get('data_config')
+    if 'train_interpolation' in fill and isinstance(data, dict):
+        size = data.get('input_size')
+        if isinstance(size, (list, tuple)) and len(size) == 3 and not (size[1] == size[2] and size[1] <= 64):
+            fill['train_interpolation'] = data.get('interpolation')
+    return fill
+
+
 def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
     """The state ``cfg.resume`` names, after checking that it was trained with this model, class count and
     ``settings`` (:class:`~timm_patchmix.settings.SettingsChangedError` naming each difference otherwise)."""
@@ -114,7 +129,7 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
         raise TrainSetupError(f'cannot resume: {e}') from None
     saved = st['meta'].get('args', {})
     if isinstance(saved, dict) and saved:  # a setting its version did not have: that version's only behaviour
-        saved = dict({k: _DEFAULTS[k] for k in RESUME_SETTINGS if k not in saved}, **saved)
+        saved = dict(_older_settings(saved), **saved)
     # a state from before settings were recorded: its args, without the table's content
     recorded = st['meta'].get('settings') or resume_settings(saved, table=False)
     if isinstance(recorded, dict) and isinstance(saved, dict):  # settings a state of an older version did not list
