@@ -207,8 +207,8 @@ def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
 
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:
     cfg, data, model, model_kwargs, loaders, frozen = _setup(cfg, rt, log_data_config)
-    optimizer, scheduler, num_epochs = _optimization(cfg, model,
-                                                     updates_per_epoch(len(loaders.train), cfg.grad_accum_steps))
+    per_epoch = updates_per_epoch(len(loaders.train), cfg.grad_accum_steps)  # optimizer updates in an epoch
+    optimizer, scheduler, num_epochs = _optimization(cfg, model, per_epoch)
     settings = resume_settings(cfg.record())
     start = load_resume(cfg, settings)
     if start.model_state is not None:
@@ -222,7 +222,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
         _say(rt, f'resuming from {cfg.resume} at epoch {start.start_epoch}')
     if start.start_epoch > 0:  # as timm's train.py: a per-update schedule at the resumed epoch's first update
         if cfg.sched_on_updates:
-            scheduler.step_update(start.start_epoch * updates_per_epoch(len(loaders.train), cfg.grad_accum_steps))
+            scheduler.step_update(start.start_epoch * per_epoch)
         else:
             scheduler.step(start.start_epoch)
         load_scheduler_state(scheduler, start.scheduler_state)
@@ -250,7 +250,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
         writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
                               weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper,
                               args_pending=args_pending)
-        rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, writer, on_step)
+        rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, per_epoch, writer, on_step)
         test = None
         if loaders.test is not None:  # the test split, once: the final weights first
             test = {'final': _test_row(rows[-1]['epoch'] if rows else None,
@@ -326,9 +326,10 @@ def _write_results(out_dir: str, cfg: TrainConfig, splits: Dict[str, Any], test:
     atomic_write_text(os.path.join(out_dir, 'results.json'), json.dumps(doc, indent=1) + '\n')
 
 
-def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoint, num_epochs: int, save,
-            on_step) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
-    """Train and validate from ``start.start_epoch`` to ``num_epochs``; ``save`` writes each epoch's files."""
+def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoint, num_epochs: int,
+            per_epoch: int, save, on_step) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
+    """Train and validate from ``start.start_epoch`` to ``num_epochs`` (``per_epoch`` optimizer updates each);
+    ``save`` writes each epoch's files."""
     rows, best = list(start.rows), start.best
     metric_key = METRIC_KEYS[cfg.eval_metric]
     off = cfg.patchmix_off_epoch if cfg.patchmix else cfg.mixup_off_epoch
@@ -341,7 +342,7 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
             loaders.mixing.mixup_enabled = False
         # the updates before this epoch, as timm counts them: a resume with another -b or --grad-accum-steps
         # continues a per-update schedule (--sched-on-updates) where its epoch begins
-        stepper.updates = epoch * updates_per_epoch(len(loaders.train), cfg.grad_accum_steps)
+        stepper.updates = epoch * per_epoch
         tr = train_one_epoch(stepper, loaders.train, epoch, rt, on_step)
         evaluated = stepper.ema.module if stepper.ema is not None else model
         if rt.distributed and cfg.dist_bn:  # every rank validates, and rank 0 saves, the same BatchNorm stats
