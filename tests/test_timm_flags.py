@@ -196,7 +196,7 @@ def _not_offered():
 
 def test_the_documented_missing_timm_flags_are_refused(capsys):
     flags = _not_offered()
-    assert len(flags) == 35 and len(set(flags)) == len(flags)
+    assert len(flags) == 29 and len(set(flags)) == len(flags)
     options = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
     assert not set(flags) & options  # a flag added to train.py leaves the list
     for flag in flags:
@@ -377,3 +377,67 @@ def test_crop_pct_and_interpolation_reach_the_evaluation_transform_of_a_larger_i
     crop = next(op for op in ops if isinstance(op, T.CenterCrop))
     assert resize.size == 90 and resize.interpolation == T.InterpolationMode.BICUBIC  # 72 / 0.8
     assert list(crop.size) == [72, 72]
+
+
+# --- timm's model flags -------------------------------------------------------------------------------------------
+def _built(argv):
+    """The run's resolved config and model for ``argv``, as ``train.py`` builds them."""
+    from timm_patchmix.engine.run import _setup as setup
+    from timm_patchmix.engine.runtime import Runtime
+    flags = ['--train-subset', '16', '--val-subset', '8', '-b', '8', '-j', '0', '--device', 'cpu'] + argv
+    cfg, _, model, kwargs, _, _ = setup(train_cli.parse_config(flags), Runtime(torch.device('cpu')), False)
+    return cfg, model, kwargs
+
+
+def test_drop_block_gp_and_batchnorm_flags_reach_the_model():
+    from timm.layers import DropBlock2d
+    _, model, kwargs = _built(['--model', 'resnet18', '--drop-block', '0.1', '--gp', 'avgmax'])
+    blocks = [m for m in model.modules() if isinstance(m, DropBlock2d)]
+    assert blocks and all(m.drop_prob == 0.1 for m in blocks)
+    assert model.global_pool.pool_type == 'avgmax'
+    assert kwargs['drop_block_rate'] == 0.1 and kwargs['global_pool'] == 'avgmax'  # recorded in the weights files
+    _, model, kwargs = _built(['--model', 'patchhead_efficientnet_b0', '--patchmix', '--bn-momentum', '0.01',
+                               '--bn-eps', '0.001'])
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and all(m.momentum == 0.01 and m.eps == 0.001 for m in bns)
+    assert (kwargs['bn_momentum'], kwargs['bn_eps']) == (0.01, 0.001)
+
+
+@pytest.mark.parametrize('model', ['resnet32_cifar', 'patchhead_resnet32_cifar'])
+def test_catavgmax_widens_the_classifier_of_the_cifar_resnets(model):
+    """The pooled features of ``catavgmax`` are twice as wide (timm's ResNet sizes its classifier so): the CIFAR
+    ResNets' classifier too, also after a reset."""
+    m = timm.create_model(model, num_classes=10, global_pool='catavgmax').eval()
+    assert m.get_classifier().in_features == 2 * m.num_features
+    assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    m.reset_classifier(5)
+    assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 5)
+    _, built, _ = _built(['--model', model, '--gp', 'catavgmax'] + (['--patchmix'] if 'patchhead' in model else []))
+    assert built.get_classifier().in_features == 2 * built.num_features
+
+
+def test_head_init_scales_both_heads_after_the_weights_are_in():
+    plain_cfg, plain, _ = _built(['--model', 'patchhead_resnet8_cifar', '--patchmix'])
+    _, scaled, _ = _built(['--model', 'patchhead_resnet8_cifar', '--patchmix', '--head-init-scale', '0.5'])
+    _, biased, _ = _built(['--model', 'patchhead_resnet8_cifar', '--patchmix', '--head-init-scale', '0.5',
+                           '--head-init-bias', '-0.25'])
+    for get in ('get_classifier', 'get_patch_classifier'):
+        h0, h1, h2 = (getattr(m, get)() for m in (plain, scaled, biased))
+        assert torch.equal(h1.weight, h0.weight * 0.5) and torch.equal(h1.bias, h0.bias * 0.5)
+        assert torch.equal(h2.weight, h0.weight * 0.5) and torch.equal(h2.bias, torch.full_like(h0.bias, -0.25))
+    body = [k for k in plain.state_dict() if 'fc' not in k]
+    assert all(torch.equal(plain.state_dict()[k], scaled.state_dict()[k]) for k in body)  # only the heads change
+
+
+@pytest.mark.parametrize('argv, flag, message', [
+    (['--model', 'resnet8_cifar', '--bn-eps', '0.001'], '--bn-eps', "does not take 'bn_eps', which --bn-eps sets"),
+    (['--model', 'resnet8_cifar', '--drop-block', '0.1'], '--drop-block', "does not take 'drop_block_rate'"),
+    (['--model', 'resnet8_cifar', '--gp', 'bogus'], '--gp', "has no global pooling 'bogus'"),
+    (['--model', 'resnet8_cifar', '--gp', ''], '--gp', "with the global pooling '' gives no logits of 10 classes"),
+    (['--model', 'resnet8_cifar', '--gp', 'max', '--model-kwargs', 'global_pool=avg'], '--model-kwargs',
+     'global_pool is set by --gp'),
+])
+def test_model_flags_a_model_cannot_take_are_usage_errors(argv, flag, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _built(argv)
+    assert e.value.flag == flag

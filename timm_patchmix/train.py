@@ -101,6 +101,20 @@ def _model_flags(g) -> None:
     g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
     g.add_argument('--drop', type=VALUE_TYPES['drop'], default=0.0)
     g.add_argument('--drop-path', type=VALUE_TYPES['drop_path'], default=None)
+    g.add_argument('--drop-block', type=VALUE_TYPES['drop_block'], default=None,
+                   help='DropBlock rate (models whose builders take drop_block_rate, e.g. resnet50)')
+    g.add_argument('--gp', default=None, metavar='POOL',
+                   help="global pooling in place of the model's: fast, avg, max, avgmax, catavgmax")
+    g.add_argument('--bn-momentum', type=VALUE_TYPES['bn_momentum'], default=None,
+                   help="BatchNorm momentum in place of the model's (models whose builders take it, e.g. "
+                        "efficientnet_b0)")
+    g.add_argument('--bn-eps', type=VALUE_TYPES['bn_eps'], default=None,
+                   help="BatchNorm epsilon in place of the model's (as --bn-momentum)")
+    g.add_argument('--head-init-scale', type=VALUE_TYPES['head_init_scale'], default=None,
+                   help="multiply the classifier's initial weight and bias (and a patchhead_ model's patch "
+                        "classifier's) by this, after --pretrained/--initial-checkpoint weights are in")
+    g.add_argument('--head-init-bias', type=VALUE_TYPES['head_init_bias'], default=None,
+                   help="set the classifier's initial bias (and the patch classifier's) to this")
     g.add_argument('--grad-checkpointing', action='store_true', default=False)
     g.add_argument('--torchcompile', nargs='?', const='inductor', default=None)
     g.add_argument('--model-ema', action='store_true', default=False,

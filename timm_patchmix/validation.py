@@ -136,6 +136,8 @@ MODEL_KWARGS: Dict[str, Callable[[Fields, Any, str], None]] = {
     'dynamic_img_pad': lambda f, v, k: f.bool(v, k),
     'class_token': lambda f, v, k: f.bool(v, k),
     'reg_tokens': lambda f, v, k: f.int(v, k, lo=0),
+    'bn_momentum': _rate,
+    'bn_eps': lambda f, v, k: f.number(v, k, lo=0.0),
 }
 
 

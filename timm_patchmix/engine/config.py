@@ -59,7 +59,9 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'test_subset': positive_int,
     # model
     'num_classes': positive_int, 'in_chans': positive_int, 'img_size': positive_int, 'input_size': positive_int,
-    'drop': probability, 'drop_path': probability, 'model_ema_decay': fraction, 'mean': float_range(),
+    'drop': probability, 'drop_path': probability, 'drop_block': probability, 'bn_momentum': probability,
+    'bn_eps': positive_float, 'head_init_scale': float_range(), 'head_init_bias': float_range(),
+    'model_ema_decay': fraction, 'mean': float_range(),
     'std': positive_float, 'crop_pct': positive_float,
     # training augmentation
     'scale': float_range(0.0, 1.0, lo_open=True, name='area_fraction'), 'ratio': positive_float, 'hflip': probability,
@@ -200,6 +202,14 @@ class TrainConfig:
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
     drop: float = 0.0
     drop_path: Optional[float] = None
+    # timm's other model flags: DropBlock, the global pooling, BatchNorm's momentum and eps (for the models whose
+    # builders take them), and the classifier's initial scale and bias (both heads of a patchhead_ model)
+    drop_block: Optional[float] = None
+    gp: Optional[str] = None
+    bn_momentum: Optional[float] = None
+    bn_eps: Optional[float] = None
+    head_init_scale: Optional[float] = None
+    head_init_bias: Optional[float] = None
     grad_checkpointing: bool = False
     torchcompile: Optional[str] = None
     # timm's model EMA (timm.utils.ModelEmaV3): what is evaluated, selected and saved as weights

@@ -11,14 +11,19 @@ import torch.nn as nn
 from .config import DEFAULT_GRID, TrainConfig
 from .errors import ConfigError, TrainSetupError
 
-__all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'load_initial_checkpoint', 'check_model_fits',
+__all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'init_heads', 'load_initial_checkpoint',
+           'check_model_fits',
            'probe_heads', 'freeze_for_linear_probe']
 
 _logger = logging.getLogger(__name__)
 SOURCES = ('hf-hub:', 'local-dir:')
 KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans': '--in-chans',
                'grid': '--patchmix-grid', 'per_position': '--per-position-head', 'num_classes': '--num-classes',
-               'pretrained': '--pretrained'}
+               'pretrained': '--pretrained', 'drop_block_rate': '--drop-block', 'global_pool': '--gp',
+               'bn_momentum': '--bn-momentum', 'bn_eps': '--bn-eps'}
+# timm's model flags and the keyword arguments of timm.create_model they set, when given
+_FLAG_KWARGS = (('drop_block', 'drop_block_rate'), ('gp', 'global_pool'), ('bn_momentum', 'bn_momentum'),
+                ('bn_eps', 'bn_eps'))
 
 
 def model_arch(model: str) -> str:
@@ -61,7 +66,36 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
         kwargs['drop_path_rate'] = cfg.drop_path
     if cfg.drop:
         kwargs['drop_rate'] = cfg.drop
+    for name, key in _FLAG_KWARGS:
+        if getattr(cfg, name) is not None:
+            if key in cfg.model_kwargs:
+                raise ConfigError(f'{key} is set by {KWARG_FLAGS[key]}; leave it out of --model-kwargs',
+                                  '--model-kwargs')
+            kwargs[key] = getattr(cfg, name)
     return kwargs
+
+
+def init_heads(model: nn.Module, scale: Optional[float], bias: Optional[float]) -> None:
+    """timm's ``--head-init-scale``/``--head-init-bias``: the classifier's weight and bias times ``scale``, then
+    its bias set to ``bias``; a ``patchhead_`` model's patch classifier alike. A head without a weight and a bias
+    (a model built with no classes) is a :class:`ConfigError`."""
+    if scale is None and bias is None:
+        return
+    heads = [model.get_classifier()]
+    if hasattr(model, 'get_patch_classifier'):
+        heads.append(model.get_patch_classifier())
+    flag = '--head-init-scale' if scale is not None else '--head-init-bias'
+    for head in heads:
+        if not (isinstance(getattr(head, 'weight', None), torch.Tensor)
+                and isinstance(getattr(head, 'bias', None), torch.Tensor)):
+            raise ConfigError(f'the classifier of this model ({type(head).__name__}) has no weight and bias to '
+                              f'initialise', flag)
+        with torch.no_grad():
+            if scale is not None:
+                head.weight.mul_(scale)
+                head.bias.mul_(scale)
+            if bias is not None:
+                head.bias.fill_(bias)
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str, Any]]:
@@ -81,6 +115,11 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
         if usage is not None:
             raise usage from None
         raise
+    except (AssertionError, ValueError, KeyError) as e:  # timm's pooling factories assert on an unknown type
+        if cfg.gp is None:
+            raise
+        raise ConfigError(f'model {cfg.model} has no global pooling {cfg.gp!r}: {type(e).__name__}: {e}',
+                          '--gp') from None
     except (OSError, RuntimeError) as e:  # no weights for the model (timm's RuntimeError), no file or no network
         if not cfg.pretrained or (isinstance(e, RuntimeError) and 'pretrained' not in str(e).lower()):
             raise
@@ -99,6 +138,7 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
         model.reset_classifier(num_classes)
         _logger.info('--reset-head: re-initialised the classifier%s for %d classes',
                      ' and the patch head' if hasattr(model, 'patch_head') else '', num_classes)
+    init_heads(model, cfg.head_init_scale, cfg.head_init_bias)  # after the loads, as timm's train.py
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model, {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
@@ -155,6 +195,8 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
         raise TrainSetupError(f'--mixup/--cutmix give no per-cell labels for the patch head of {cfg.model}; train '
                               f'the plain backbone for those baselines')
     input_size = cfg.data_config.input_size
+    if cfg.gp is not None:
+        _check_pooling(cfg, model, input_size, device)
     if cfg.patchmix:  # the mixer's cells, also where no patch head sees them (image-level PatchMix)
         from ..grid import cell_bounds
         try:
@@ -174,6 +216,25 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
                               f'{input_size[1]}x{input_size[2]}: {e}') from None
     finally:
         model.train(was)
+
+
+def _check_pooling(cfg: TrainConfig, model: nn.Module, input_size, device) -> None:
+    """``--gp``: the model gives one row of logits per image (a pooling of ``''`` leaves timm's CNNs a feature
+    map their classifier cannot take)."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, *input_size, device=device))
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+        problem = None if shape == (1, cfg.num_classes) else f'it gives outputs of shape {shape}'
+    except RuntimeError as e:
+        problem = f'{type(e).__name__}: {e}'
+    finally:
+        model.train(was)
+    if problem is not None:
+        raise ConfigError(f'{cfg.model} with the global pooling {cfg.gp!r} gives no logits of '
+                          f'{cfg.num_classes} classes per image ({problem})', '--gp')
 
 
 def probe_heads(cfg: TrainConfig, model: nn.Module) -> Tuple[nn.Module, ...]:

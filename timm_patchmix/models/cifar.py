@@ -141,7 +141,7 @@ class CifarResNet(nn.Module):
             self.feature_info[-1]['module'] = 'final_act'
         self.num_features = self.head_hidden_size = in_chs
         self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
-        self.fc = nn.Linear(in_chs, num_classes) if num_classes > 0 else nn.Identity()
+        self.fc = self._classifier(num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')
@@ -165,7 +165,13 @@ class CifarResNet(nn.Module):
         self.num_classes = num_classes
         if global_pool is not None:
             self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.fc = self._classifier(num_classes)
+
+    def _classifier(self, num_classes: int) -> nn.Module:
+        """The classifier on the pooled features: ``num_features`` times the pooling's multiplier (2 for
+        ``catavgmax``, as in timm's ResNet)."""
+        width = self.num_features * self.global_pool.feat_mult()
+        return nn.Linear(width, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act1(self.bn1(self.conv1(x)))
