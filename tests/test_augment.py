@@ -30,6 +30,8 @@ def _image(size=16, mode='RGB', seed=0):
 def _windows(img, pad):
     """Every crop window of the reflect-padded image, CHW uint8 arrays by offset."""
     padded = np.asarray(TF.pad(img, pad, padding_mode='reflect'))
+    if padded.ndim == 2:  # greyscale
+        padded = padded[:, :, None]
     h, w = img.size[1], img.size[0]
     return {(t, s): np.ascontiguousarray(padded[t:t + h, s:s + w].transpose(2, 0, 1))
             for t in range(2 * pad + 1) for s in range(2 * pad + 1)}
@@ -118,13 +120,12 @@ def test_timm_policies_run_on_rgb_and_greyscale_images(policy, mode):
     img = _image(28, mode)
     chans = 3 if mode == 'RGB' else 1
     t = small_image_transform(28, True, chans, True, MEAN[:chans], STD[:chans], augment=Augment(aa=policy))
-    windows = _windows(img.convert('RGB'), 3) if mode == 'RGB' else None
+    windows = _windows(img, 3)
     random.seed(0)
     torch.manual_seed(0)
     outs = [t(img) for _ in range(300)]
     assert all(o.shape == (chans, 28, 28) and o.dtype == np.uint8 for o in outs)
-    if windows is not None:
-        assert sum(_which(o, windows) is None for o in outs) > 30
+    assert sum(_which(o, windows) is None for o in outs) > 30  # the policy changed these beyond a crop and flip
 
 
 def test_pillow_posterizes_to_zero_bits():
@@ -215,6 +216,30 @@ def test_timm_transform_takes_the_flags():
     assert isinstance(erase, RandomErasing) and erase.probability == 0.4 and erase.mode == 'rand'
 
 
+def test_no_aug_on_timms_transform_is_timms_no_aug_transform():
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+    ops = _timm_ops(['--no-aug'])
+    assert not any(isinstance(op, (RandomResizedCropAndInterpolation, T.RandomHorizontalFlip, T.ColorJitter))
+                   for op in ops)
+    resize = next(op for op in ops if isinstance(op, T.Resize))
+    assert tuple(resize.size) == (72, 72)  # timm's: resized to the input, no crop_pct
+
+
+def test_device_data_takes_the_flips_and_no_aug():
+    from timm_patchmix.engine.device_data import DeviceTrainLoader
+    _, loaders = _setup(['--device-data', '--hflip', '0', '--vflip', '0.25'])
+    assert isinstance(loaders.train, DeviceTrainLoader)
+    assert (loaders.train.pad, loaders.train.hflip, loaders.train.vflip) == (4, 0.0, 0.25)
+    _, loaders = _setup(['--device-data', '--no-aug'])
+    assert (loaders.train.pad, loaders.train.hflip, loaders.train.vflip) == (0, 0.0, 0.0)
+    x, y = next(iter(loaders.train))  # no crop, no flip: the validation transform's pixels of those images
+    images = loaders.train.data
+    order = torch.as_tensor(list(iter(loaders.sampler)))[:x.shape[0]]
+    from timm_patchmix.engine.device_data import normalise
+    torch.testing.assert_close(x, normalise(images.images[order], loaders.train.mean, loaders.train.std))
+    assert torch.equal(y, images.labels[order])
+
+
 def test_older_states_trained_timms_transform_with_the_models_interpolation():
     big = {'data_config': {'input_size': [3, 224, 224], 'interpolation': 'bicubic'}}
     small = {'data_config': {'input_size': [3, 32, 32], 'interpolation': 'bilinear'}}
@@ -235,6 +260,8 @@ def test_older_states_trained_timms_transform_with_the_models_interpolation():
     (['--recount', '3'], None, '--recount sets the random erasing of --reprob'),
     (['--device-data', '--aa', 'v0'], None, '--device-data crops, flips and normalises on the device; --aa is a'),
     (['--aa', 'bogus'], '--aa', "timm has no augmentation policy 'bogus'"),
+    (['--aa', 'rand-m9', '--color-jitter', '0.3'], None, 'timm leaves colour jitter out beside an --aa policy'),
+    (['--device-data', '--scale', '0.5', '1'], '--scale', 'the 32x32 input takes the CIFAR-style transform'),
 ])
 def test_augmentation_that_cannot_apply_is_a_usage_error(argv, flag, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -262,13 +289,13 @@ def test_the_cli_exits_2_before_writing_anything(tmp_path, capsys):
 
 
 def test_a_run_with_every_augmentation_trains_in_loader_workers(tmp_path):
-    """Workers pickle the transform: RandAugment, jitter and flips there, erasing on the batch."""
+    """Workers pickle the transform: timm's 3-augment policy, jitter and flips there, erasing on the batch."""
     res = train_cli.main(['--train-subset', '32', '--val-subset', '16', '-b', '8', '-j', '2', '--epochs', '1',
                           '--device', 'cpu', '--no-progress', '--patchmix', '--output', str(tmp_path),
-                          '--aa', 'rand-m9-mstd0.5-inc1', '--color-jitter', '0.2', '--vflip', '0.1', '--reprob', '0.3'])
+                          '--aa', '3a', '--color-jitter', '0.2', '--vflip', '0.1', '--reprob', '0.3'])
     assert [r['epoch'] for r in res['rows']] == [0]
     import os
     import yaml
     with open(os.path.join(res['output'], 'args.yaml'), encoding='utf-8') as f:
         args = yaml.safe_load(f)
-    assert (args['aa'], args['color_jitter'], args['vflip'], args['reprob']) == ('rand-m9-mstd0.5-inc1', 0.2, 0.1, 0.3)
+    assert (args['aa'], args['color_jitter'], args['vflip'], args['reprob']) == ('3a', 0.2, 0.1, 0.3)

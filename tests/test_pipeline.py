@@ -461,6 +461,27 @@ def test_train_args_refuse_a_config_file(tmp_path, capsys, monkeypatch, flags):
     assert not out.exists()
 
 
+@pytest.mark.parametrize('budget, flags, named', [
+    ('gpu', ['--aa', 'v0'], 'error: --train-args in the base runs: --device-data crops, flips and normalises'),
+    ('smoke', ['--remode', 'const'], 'error: --train-args in the base runs: --remode sets the random erasing'),
+    ('smoke', ['--mixup-mode', 'half', '--no-prefetcher'],
+     'error: --train-args in the mixup runs: argument --mixup-mode: half is a mode'),
+    ('smoke', ['--guided-prob', '0.9', '--random-prob', '0.5'],
+     'error: --train-args in the guided_pm runs: --guided-prob 0.9 and --random-prob 0.5 are fractions'),
+])
+def test_train_args_that_a_phase_would_refuse_stop_before_anything_is_written(tmp_path, capsys, monkeypatch, budget,
+                                                                              flags, named):
+    """A contradiction between --train-args and a phase's own or the budget's flags is a usage error before the
+    first phase writes its folder (whose settings record would refuse the corrected rerun)."""
+    import timm_patchmix.pipeline as pipeline
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: pytest.fail('the phases ran'))
+    out = tmp_path / 'p'
+    with pytest.raises(SystemExit) as e:
+        pipeline_main(['--output', str(out), '--budget', budget, '--train-args'] + flags)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_train_args_keep_the_budget_flags_open(tmp_path):
     """The budget's flags, abbreviated or not, and the console flags pass the check."""
     from timm_patchmix.pipeline import _check_train_args, build_parser

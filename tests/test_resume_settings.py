@@ -99,6 +99,7 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--mean', '0.5', '--std', '0.25'], [('--mean', 'None', '[0.5]'), ('--std', 'None', '[0.25]')]),
     # and so is its augmentation, and the model's pooling and BatchNorm
     ('mixup', None, ['--gp', 'max'], [('--gp', 'None', "'max'")]),
+    ('mixup', None, ['--bce-loss'], [('--bce-loss', 'False', 'True')]),
     ('mixup', None, ['--reprob', '0.25'], [('--reprob', '0.0', '0.25')]),
     ('mixup', None, ['--aa', 'v0', '--hflip', '0'], [('--aa', 'None', "'v0'"), ('--hflip', '0.5', '0.0')]),
 ])

@@ -486,8 +486,8 @@ def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_p
             ops.append(T.RandomHorizontalFlip(aug.hflip))
         if aug.vflip > 0:
             ops.append(T.RandomVerticalFlip(aug.vflip))
-        if aug.aa:
-            ops.append(_policy(aug.aa, img_size, adapt_to_chs(mean, in_chans), 'bilinear'))
+        if aug.aa:  # its geometric ops interpolate as timm's default (bilinear or bicubic at random)
+            ops.append(_policy(aug.aa, img_size, adapt_to_chs(mean, in_chans)))
         if aug.color_jitter and not (aug.aa and '3a' not in aug.aa):  # timm's rule: no jitter beside a policy
             ops.append(T.ColorJitter(*(float(aug.color_jitter),) * 3))
     if use_prefetcher:
@@ -500,13 +500,11 @@ def small_image_transform(img_size: int, is_training: bool, in_chans: int, use_p
     return T.Compose(ops)
 
 
-def _policy(aa: str, img_size: int, mean, interpolation: str):
+def _policy(aa: str, img_size: int, mean):
     """timm's transform for the policy string ``aa``, with the parameters timm's ``create_transform`` gives it
-    (translation up to 0.45 of the side, the mean colour as fill)."""
+    under its default 'random' interpolation (translation up to 0.45 of the side, the mean colour as fill)."""
     from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
-    from timm.data.transforms import str_to_pil_interp
-    params = dict(translate_const=int(img_size * 0.45), img_mean=tuple(min(255, round(255 * m)) for m in mean),
-                  interpolation=str_to_pil_interp(interpolation))
+    params = dict(translate_const=int(img_size * 0.45), img_mean=tuple(min(255, round(255 * m)) for m in mean))
     if aa.startswith('rand'):
         return rand_augment_transform(aa, params)
     if aa.startswith('augmix'):

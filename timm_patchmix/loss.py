@@ -1,7 +1,7 @@
 """PatchMixLoss: the image-level and patch-level objective of PatchMix (equation 4 of the paper)."""
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from .mix import _HEADER, _number, is_packed_target, soft_target, split_target
 
-__all__ = ['PatchMixLoss', 'packed_loss', 'soft_cross_entropy']
+__all__ = ['PatchMixLoss', 'packed_loss', 'soft_cross_entropy', 'binary_cross_entropy']
 
 ModelOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -17,6 +17,21 @@ ModelOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``-sum(target * log_softmax(logits))`` over the last dim, computed in float32; no reduction."""
     return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def binary_cross_entropy(logits: torch.Tensor, target: torch.Tensor, threshold: Optional[float] = None,
+                         sum_classes: bool = False, pos_weight: Optional[float] = None) -> torch.Tensor:
+    """timm's ``BinaryCrossEntropy`` per row: each class a sigmoid against its target (made 0 or 1 above
+    ``threshold`` when given), the positive term weighted by ``pos_weight``; averaged over the last dim, or summed
+    with ``sum_classes``. Computed in float32; no reduction over the other dims."""
+    x, y = logits.float(), target.float()
+    if threshold is not None:
+        y = y.gt(threshold).float()
+    if pos_weight is None:
+        loss = F.binary_cross_entropy_with_logits(x, y, reduction='none')
+    else:  # torch's pos_weight term, with a plain number (no tensor to move to the device each step)
+        loss = -(pos_weight * y * F.logsigmoid(x) + (1 - y) * F.logsigmoid(-x))
+    return loss.sum(-1) if sum_classes else loss.mean(-1)
 
 
 class PatchMixLoss(nn.Module):
@@ -36,10 +51,16 @@ class PatchMixLoss(nn.Module):
         smoothing: label smoothing of class-index targets, for the image and every cell alike (timm's
             ``LabelSmoothingCrossEntropy``: ``y * (1 - s) + s / C``). Packed and soft targets carry their own
             smoothing (``PatchMix(label_smoothing=...)``, timm's ``Mixup``) and are used as given.
+        bce: score each row (the image, each cell) by timm's ``BinaryCrossEntropy`` (:func:`binary_cross_entropy`)
+            instead of the soft cross-entropy, against the same targets; L_P is then the mean over the cells of
+            the cells' BCE, as L_P / P^2 is of their cross-entropy.
+        bce_target_thresh, bce_sum, bce_pos_weight: timm's ``target_threshold``, ``sum_classes`` and
+            ``pos_weight`` of the BCE.
     """
 
     def __init__(self, image_loss: bool = True, patch_loss: bool = True, patch_weight: float = 1.0,
-                 smoothing: float = 0.0):
+                 smoothing: float = 0.0, bce: bool = False, bce_target_thresh: Optional[float] = None,
+                 bce_sum: bool = False, bce_pos_weight: Optional[float] = None):
         super().__init__()
         if not (image_loss or patch_loss):
             raise ValueError('PatchMixLoss needs image_loss or patch_loss (or both) switched on')
@@ -47,10 +68,27 @@ class PatchMixLoss(nn.Module):
         self.patch_loss = patch_loss
         self.patch_weight = _number(patch_weight, 'patch_weight', 0.0)
         self.smoothing = _number(smoothing, 'smoothing', 0.0, 1.0, high_open=True)
+        self.bce = bool(bce)
+        self.bce_target_thresh = (None if bce_target_thresh is None
+                                  else _number(bce_target_thresh, 'bce_target_thresh', 0.0, 1.0, high_open=True))
+        self.bce_sum = bool(bce_sum)
+        self.bce_pos_weight = None if bce_pos_weight is None else _number(bce_pos_weight, 'bce_pos_weight', 0.0)
+        if not self.bce and (self.bce_target_thresh is not None or self.bce_sum or self.bce_pos_weight is not None):
+            raise ValueError('bce_target_thresh, bce_sum and bce_pos_weight set the BCE of bce=True')
 
     def extra_repr(self) -> str:
-        return (f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}, '
+        text = (f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}, '
                 f'smoothing={self.smoothing}')
+        if self.bce:
+            text += (f', bce=True, bce_target_thresh={self.bce_target_thresh}, bce_sum={self.bce_sum}, '
+                     f'bce_pos_weight={self.bce_pos_weight}')
+        return text
+
+    def _rows(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of each row (over the last dim): the soft cross-entropy, or the BCE with ``bce``."""
+        if self.bce:
+            return binary_cross_entropy(logits, target, self.bce_target_thresh, self.bce_sum, self.bce_pos_weight)
+        return soft_cross_entropy(logits, target)
 
     def forward(self, output: ModelOutput, target: torch.Tensor) -> torch.Tensor:
         if isinstance(output, (tuple, list)):
@@ -69,7 +107,7 @@ class PatchMixLoss(nn.Module):
             raise ValueError(f'target batch size {target.shape[0]} does not match the logits batch size {b}')
 
         use_patch = patch_logits is not None and self.patch_loss
-        if use_patch and self.image_loss and is_packed_target(target, c, patch_logits.shape[1]):
+        if use_patch and self.image_loss and not self.bce and is_packed_target(target, c, patch_logits.shape[1]):
             return packed_loss(logits, patch_logits, target, self.patch_weight)
         if target.ndim == 1:
             image_t = soft_target(target, c, self.smoothing, device=logits.device)
@@ -89,15 +127,17 @@ class PatchMixLoss(nn.Module):
                 raise ValueError(f'packed target holds {image_t.shape[1]} classes but the logits have {c}')
 
         if not use_patch:
-            return soft_cross_entropy(logits, image_t).mean()
+            return self._rows(logits, image_t).mean()
         ncell = patch_logits.shape[1]
         if patch_t.shape[1] not in (1, ncell):
             raise ValueError(f'packed target has {patch_t.shape[1]} cells but the model gives {ncell} patch logits')
-        l_p = soft_cross_entropy(patch_logits, patch_t).sum(1).mean()
+        if patch_t.shape[1] == 1 and self.bce:  # the BCE's threshold and pos weight take rows of the full shape
+            patch_t = patch_t.expand(-1, ncell, -1)
+        l_p = self._rows(patch_logits, patch_t).sum(1).mean()
         patch_term = self.patch_weight * l_p / ncell
         if not self.image_loss:
             return patch_term
-        l_o = soft_cross_entropy(logits, image_t).mean()
+        l_o = self._rows(logits, image_t).mean()
         return (l_o + patch_term) / 2
 
 

@@ -641,7 +641,8 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
     """Parse ``--train-args`` with train.py's own parser before any phase runs, so that an out-of-range value stops
     the pipeline at once (exit status 2, the flag and value named) rather than after the phases before it. A flag
     the pipeline sets itself (:data:`OWNED_TRAIN_FLAGS`) is refused, however it is spelt (an abbreviation such as
-    ``--holdout-s`` included), naming the pipeline's flag to give instead."""
+    ``--holdout-s`` included), naming the pipeline's flag to give instead; so is a combination that one of the
+    training phases would refuse with its own flags and the budget's (``--device-data`` with ``--aa``...)."""
     from .train import build_parser as train_parser
     tp = train_parser()
     tp.prog = f'{parser.prog} --train-args'
@@ -658,6 +659,20 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
             name = given[dest] + (f' (given as {spelt[0]})' if spelt else '')
             instead = f'give the pipeline\'s own {flag} instead' if flag else 'leave it out'
             parser.error(f'{name} in --train-args: the pipeline sets it for its runs ({what}); {instead}')
+    # the flags together, as each training phase will take them: a contradiction stops here, before any phase
+    # writes its folder (whose settings record would then refuse the corrected rerun)
+    import tempfile
+    from .engine import ConfigError
+    from .train import parse_config
+    with tempfile.TemporaryDirectory() as tmp:
+        table = os.path.join(tmp, 'masks.json')  # the search's table, which the flags name but do not read
+        open(table, 'w').close()
+        for name in dict.fromkeys(n for _, n, _ in phases(args) if n != 'search'):
+            try:
+                parse_config(_train_argv(args, args.seeds[0], name, method_flags(args, name, table))
+                             + list(args.train_args))
+            except ConfigError as e:
+                parser.error(f'--train-args in the {name} runs: {e}')
 
 
 class PhaseFailedError(RuntimeError):

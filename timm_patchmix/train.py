@@ -129,7 +129,8 @@ def _model_flags(g) -> None:
 
 def _augment_flags(g) -> None:
     g.add_argument('--no-aug', action='store_true', default=False,
-                   help='no training augmentation: the evaluation transform (resize and centre crop)')
+                   help="no training augmentation: a square input of at most 64 px trains on its evaluation "
+                        "transform, others on timm's no-aug transform (resized to the input size)")
     g.add_argument('--scale', type=VALUE_TYPES['scale'], nargs=2, default=None, metavar=('MIN', 'MAX'),
                    help="random-resized-crop area range (default 0.08 1; inputs other than a square of at most "
                         "64 px, whose CIFAR-style crop is a padded random crop)")
@@ -139,7 +140,7 @@ def _augment_flags(g) -> None:
     g.add_argument('--vflip', type=VALUE_TYPES['vflip'], default=0.0, help='vertical flip probability')
     g.add_argument('--color-jitter', type=VALUE_TYPES['color_jitter'], default=None, metavar='PCT',
                    help="colour jitter factor (default: timm's 0.4 on timm's transform, none on the CIFAR-style "
-                        "one; with --aa, none unless the policy is 3a, as in timm)")
+                        "one; with --aa, none unless the policy is 3a, as in timm, and then not to be given)")
     g.add_argument('--aa', default=None, metavar='POLICY',
                    help="timm's AutoAugment/RandAugment/AugMix policy, e.g. rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
                         "original, v0, 3a")
@@ -219,6 +220,13 @@ def _mixing_flags(g) -> None:
     g.add_argument('--mixup-mode', default='batch', choices=('batch', 'pair', 'elem', 'half'))
     g.add_argument('--mixup-off-epoch', type=VALUE_TYPES['mixup_off_epoch'], default=0, help='0: never')
     g.add_argument('--smoothing', type=VALUE_TYPES['smoothing'], default=None)
+    g.add_argument('--bce-loss', action='store_true', default=False,
+                   help="timm's binary cross-entropy in place of the cross-entropy (the image's and each cell's)")
+    g.add_argument('--bce-sum', action='store_true', default=False, help='--bce-loss: sum over the classes')
+    g.add_argument('--bce-target-thresh', type=VALUE_TYPES['bce_target_thresh'], default=None,
+                   help='--bce-loss: targets above this become 1, the rest 0')
+    g.add_argument('--bce-pos-weight', type=VALUE_TYPES['bce_pos_weight'], default=None,
+                   help="--bce-loss: the weight of each class's positive term")
     g.add_argument('--patchmix', action='store_true', default=False, help='train with PatchMix and PatchMixLoss')
     g.add_argument('--patchmix-grid', type=VALUE_TYPES['grid'], nargs='+', default=None,
                    help="P, or rows cols (default 4; a hf-hub:/local-dir: model's own grid)")

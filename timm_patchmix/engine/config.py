@@ -82,6 +82,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'mixup_switch_prob': probability, 'mixup_off_epoch': nonneg_int, 'smoothing': fraction, 'grid': positive_int,
     'patchmix_alpha': positive_float, 'patchmix_prob': probability, 'patchmix_off_epoch': nonneg_int,
     'patch_loss_weight': nonneg_float, 'guided_prob': probability, 'random_prob': probability,
+    'bce_target_thresh': fraction, 'bce_pos_weight': positive_float,
     # running
     'workers': nonneg_int, 'seed': int, 'log_interval': positive_int, 'fgsm': nonneg_float,
 }
@@ -279,6 +280,11 @@ class TrainConfig:
     mixup_mode: str = 'batch'
     mixup_off_epoch: int = 0
     smoothing: Optional[float] = None
+    # timm's binary cross-entropy in place of the (soft) cross-entropy: the image's and, in PatchMixLoss, each cell's
+    bce_loss: bool = False
+    bce_sum: bool = False
+    bce_target_thresh: Optional[float] = None
+    bce_pos_weight: Optional[float] = None
     patchmix: bool = False
     grid: Optional[Tuple[int, int]] = None
     patchmix_alpha: float = 1.0
@@ -367,6 +373,11 @@ class TrainConfig:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')
         self._check_augment()
+        bce = [f for f, on in (('--bce-sum', self.bce_sum), ('--bce-target-thresh', self.bce_target_thresh is not None),
+                               ('--bce-pos-weight', self.bce_pos_weight is not None)) if on]
+        if bce and not self.bce_loss:
+            raise ConfigError(f'{" and ".join(bce)} {"sets" if len(bce) == 1 else "set"} the binary cross-entropy of '
+                              f'--bce-loss, which is off; add --bce-loss')
         if self.reset_head and not (self.pretrained or self.initial_checkpoint):
             raise ConfigError('--reset-head re-initialises the classifier of loaded weights; add --pretrained or '
                               '--initial-checkpoint (a model without them starts with a fresh classifier already)')
@@ -417,8 +428,11 @@ class TrainConfig:
         if self.reprob == 0 and (self.remode != 'pixel' or self.recount != 1):
             raise ConfigError(f'{"--remode" if self.remode != "pixel" else "--recount"} sets the random erasing of '
                               f'--reprob, which is 0; add --reprob P')
-        loader_only = [f for f in given if f in ('--aa', '--color-jitter', '--reprob', '--scale', '--ratio',
-                                                 '--train-interpolation')]
+        if self.color_jitter is not None and self.aa is not None and '3a' not in self.aa:
+            raise ConfigError(f'timm leaves colour jitter out beside an --aa policy other than 3a; --color-jitter '
+                              f'{self.color_jitter:g} would be unused with --aa {self.aa}. Drop one or the other')
+        # (the resized-crop flags never fit --device-data's inputs: resolve_data names them)
+        loader_only = [f for f in given if f in ('--aa', '--color-jitter', '--reprob')]
         if self.device_data and loader_only:
             raise ConfigError(f'--device-data crops, flips and normalises on the device; {" and ".join(loader_only)} '
                               f'{"is a transform" if len(loader_only) == 1 else "are transforms"} of the data loader. '

@@ -31,7 +31,8 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'no_prefetcher', 'device_data', 'smoothing', 'no_patch_loss', 'no_image_loss',
                    'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema', 'no_aug',
                    'scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob', 'remode', 'recount',
-                   'train_interpolation', 'gp', 'bn_momentum', 'bn_eps')
+                   'train_interpolation', 'gp', 'bn_momentum', 'bn_eps', 'bce_loss', 'bce_sum', 'bce_target_thresh',
+                   'bce_pos_weight')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:

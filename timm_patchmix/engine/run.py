@@ -118,11 +118,20 @@ def _setup(cfg: TrainConfig, rt: Runtime, log_data_config: bool):
 
 
 def _criterion(cfg: TrainConfig) -> nn.Module:
-    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    """The training loss: :class:`~timm_patchmix.loss.PatchMixLoss` for PatchMix and patch-head models, else timm's
+    choice in its train.py (``SoftTargetCrossEntropy`` with Mixup/CutMix, ``LabelSmoothingCrossEntropy`` with
+    ``--smoothing``, ``BinaryCrossEntropy`` with ``--bce-loss``, which here applies also without either)."""
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from ..loss import PatchMixLoss
+    bce = dict(bce_target_thresh=cfg.bce_target_thresh, bce_sum=cfg.bce_sum, bce_pos_weight=cfg.bce_pos_weight)
     if cfg.patchmix or cfg.patch_head:
         return PatchMixLoss(image_loss=not cfg.no_image_loss, patch_loss=not cfg.no_patch_loss,
-                            patch_weight=cfg.patch_loss_weight, smoothing=cfg.smoothing or 0.0)
+                            patch_weight=cfg.patch_loss_weight, smoothing=cfg.smoothing or 0.0, bce=cfg.bce_loss,
+                            **(bce if cfg.bce_loss else {}))
+    if cfg.bce_loss:  # Mixup/CutMix targets come smoothed; index targets are smoothed by the loss
+        return BinaryCrossEntropy(smoothing=0.0 if cfg.mixup_active else cfg.smoothing or 0.0,
+                                  target_threshold=cfg.bce_target_thresh, sum_classes=cfg.bce_sum,
+                                  pos_weight=cfg.bce_pos_weight)
     if cfg.mixup_active:
         return SoftTargetCrossEntropy()
     if cfg.smoothing:
@@ -229,8 +238,8 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     ema = _model_ema(cfg, model, start)
     evaluated = ema.module if ema is not None else model  # what each epoch evaluates and the weights files hold
     autocast, scaler = amp_setup(cfg, rt.device)
-    stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg), cfg, rt.device, scheduler, loaders.mixer,
-                      autocast, scaler, start.updates, frozen, ema)
+    stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg).to(rt.device), cfg, rt.device, scheduler,
+                      loaders.mixer, autocast, scaler, start.updates, frozen, ema)
     args_pending = False
     # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
     with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
