@@ -166,6 +166,28 @@ def test_train_resume_of_an_older_state_takes_a_new_setting_as_its_default(train
     assert [r['epoch'] for r in res['rows']] == [0, 1]
 
 
+def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp_path):
+    """A state without the augmentation, model and BCE settings trained with their defaults (a 32 px input: the
+    CIFAR-style transform, which --train-interpolation never reached): its own flags resume it, a new one is named."""
+    from timm_patchmix.engine.records import RESUME_SETTINGS
+    root, runs = trained
+    old_root = tmp_path / 'old'
+    shutil.copytree(root / 'mixup', old_root / 'mixup')
+    path = str(old_root / 'mixup' / 'state.safetensors')
+    new = RESUME_SETTINGS[RESUME_SETTINGS.index('no_aug'):]
+    assert new[-1] == 'bce_pos_weight' and 'train_interpolation' in new
+
+    def older(meta, tensors):
+        for key in new:
+            del meta['args'][key], meta['settings']['--' + key.replace('_', '-')]
+    _rewrite_meta(path, older)
+    before = snapshot(old_root)
+    refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--reprob', '0.2']), ('--reprob', '0.0', '0.2'))
+    assert snapshot(old_root) == before
+    res = resume_train(old_root, 'mixup', runs['mixup'])
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+
+
 def test_train_resume_of_a_state_without_its_average(tmp_path):
     """A --model-ema state whose average is gone (its tensors stripped): a one-line error, nothing written."""
     flags = ['--model', 'resnet32_cifar', '--model-ema']
