@@ -269,6 +269,12 @@ def test_augmentation_that_cannot_apply_is_a_usage_error(argv, flag, message):
     assert e.value.flag == flag
 
 
+def test_no_colour_jitter_beside_a_policy_is_no_contradiction():
+    cfg = train_cli.parse_config(['--aa', 'rand-m9', '--color-jitter', '0'])
+    assert (cfg.aa, cfg.color_jitter) == ('rand-m9', 0.0)
+    assert train_cli.parse_config(['--aa', '3a', '--color-jitter', '0.3']).color_jitter == 0.3
+
+
 def test_a_config_file_sets_the_augmentation(tmp_path, capsys):
     path = tmp_path / 'aug.yaml'
     path.write_text('aa: v0\nreprob: 0.3\nremode: const\nvflip: 0.25\nscale: [0.5, 1.0]\n')

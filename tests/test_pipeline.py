@@ -482,6 +482,18 @@ def test_train_args_that_a_phase_would_refuse_stop_before_anything_is_written(tm
     assert not out.exists()
 
 
+def test_a_phase_refused_once_its_model_is_built_restarts_under_corrected_train_args(tmp_path):
+    """--drop-block on the CIFAR ResNet is refused when the model is built, after the phase recorded its settings:
+    the folder holds that record alone, and the corrected rerun starts the phase afresh."""
+    from timm_patchmix.engine import ConfigError
+    out = str(tmp_path / 'p')
+    with pytest.raises(ConfigError, match='argument --drop-block: model resnet32_cifar does not take'):
+        pipeline_main(['--output', out, '--methods', 'base'] + TINY_TRAIN + ['--drop-block', '0.1'])
+    assert os.listdir(os.path.join(out, 'seed0', 'base')) == ['settings.json']
+    pipeline_main(['--output', out, '--methods', 'base'] + TINY_TRAIN)
+    assert os.path.isfile(os.path.join(out, 'seed0', 'base', 'done.json'))
+
+
 def test_train_args_keep_the_budget_flags_open(tmp_path):
     """The budget's flags, abbreviated or not, and the console flags pass the check."""
     from timm_patchmix.pipeline import _check_train_args, build_parser

@@ -429,6 +429,32 @@ def test_head_init_scales_both_heads_after_the_weights_are_in():
     assert all(torch.equal(plain.state_dict()[k], scaled.state_dict()[k]) for k in body)  # only the heads change
 
 
+def test_head_init_applies_to_the_loaded_heads(tmp_path):
+    """As timm's train.py (which loads --initial-checkpoint inside create_model): the loaded classifier scaled."""
+    g = torch.Generator().manual_seed(3)
+    donor = timm.create_model('patchhead_resnet8_cifar', num_classes=10)
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    path = str(tmp_path / 'w.safetensors')
+    save_weights(path, donor.state_dict())
+    _, loaded, _ = _built(['--model', 'patchhead_resnet8_cifar', '--patchmix', '--initial-checkpoint', path,
+                           '--head-init-scale', '0.5', '--head-init-bias', '0.125'])
+    for get in ('get_classifier', 'get_patch_classifier'):
+        h0, h1 = getattr(donor, get)(), getattr(loaded, get)()
+        assert torch.equal(h1.weight, h0.weight * 0.5) and torch.equal(h1.bias, torch.full_like(h0.bias, 0.125))
+    assert torch.equal(loaded.backbone.conv1.weight, donor.backbone.conv1.weight)
+
+
+def test_checkpoints_record_only_a_positive_bn_eps():
+    from timm_patchmix.validation import Fields, check_model_kwargs
+    assert check_model_kwargs({'bn_eps': 1e-3, 'bn_momentum': 0.01}, Fields('w')) == {'bn_eps': 1e-3,
+                                                                                      'bn_momentum': 0.01}
+    for bad in ({'bn_eps': 0.0}, {'bn_eps': -1e-3}, {'bn_momentum': 1.5}):
+        with pytest.raises(ValueError, match='must be a number'):
+            check_model_kwargs(bad, Fields('w'))
+
+
 @pytest.mark.parametrize('argv, flag, message', [
     (['--model', 'resnet8_cifar', '--bn-eps', '0.001'], '--bn-eps', "does not take 'bn_eps', which --bn-eps sets"),
     (['--model', 'resnet8_cifar', '--drop-block', '0.1'], '--drop-block', "does not take 'drop_block_rate'"),

@@ -159,8 +159,12 @@ def _guided_settings(args, table: Optional[str] = None) -> Dict[str, Any]:
 
 
 def _check_phase(args, folder: str, settings: Dict[str, Any]) -> bool:
-    """Refuse a phase folder made with other settings (:class:`SettingsChangedError`); True when it has a record."""
+    """Refuse a phase folder made with other settings (:class:`SettingsChangedError`); True when it has a record.
+    A folder that holds the record alone is a phase that stopped before it made anything (a setting its run
+    refused once the model was built, say): it starts afresh under the new settings."""
     recorded = read_settings(os.path.join(folder, SETTINGS_FILE))
+    if recorded is not None and sorted(os.listdir(folder)) == [SETTINGS_FILE]:
+        return False
     if recorded is not None:
         for key, value in LEGACY_SETTINGS.items():
             if key in settings:

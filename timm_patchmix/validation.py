@@ -120,6 +120,11 @@ def _rate(f: Fields, v: Any, field: str) -> None:
     f.number(v, field, lo=0.0, hi=1.0)
 
 
+def _positive(f: Fields, v: Any, field: str) -> None:
+    if f.number(v, field, lo=0.0) == 0:
+        f.fail(field, 'a number > 0', v)
+
+
 # what train.py writes (grid, per_position, in_chans, drop rates, --model-kwargs of architecture) and what timm's
 # backbones take for their shape; nothing that names weights, a pretrained cfg, a file or a download
 MODEL_KWARGS: Dict[str, Callable[[Fields, Any, str], None]] = {
@@ -137,7 +142,7 @@ MODEL_KWARGS: Dict[str, Callable[[Fields, Any, str], None]] = {
     'class_token': lambda f, v, k: f.bool(v, k),
     'reg_tokens': lambda f, v, k: f.int(v, k, lo=0),
     'bn_momentum': _rate,
-    'bn_eps': lambda f, v, k: f.number(v, k, lo=0.0),
+    'bn_eps': lambda f, v, k: _positive(f, v, k),
 }
 
 

@@ -428,7 +428,7 @@ class TrainConfig:
         if self.reprob == 0 and (self.remode != 'pixel' or self.recount != 1):
             raise ConfigError(f'{"--remode" if self.remode != "pixel" else "--recount"} sets the random erasing of '
                               f'--reprob, which is 0; add --reprob P')
-        if self.color_jitter is not None and self.aa is not None and '3a' not in self.aa:
+        if self.color_jitter and self.aa is not None and '3a' not in self.aa:
             raise ConfigError(f'timm leaves colour jitter out beside an --aa policy other than 3a; --color-jitter '
                               f'{self.color_jitter:g} would be unused with --aa {self.aa}. Drop one or the other')
         # (the resized-crop flags never fit --device-data's inputs: resolve_data names them)

@@ -116,7 +116,7 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
             raise usage from None
         raise
     except (AssertionError, ValueError, KeyError) as e:  # timm's pooling factories assert on an unknown type
-        if cfg.gp is None:
+        if cfg.gp is None or isinstance(e, TrainSetupError) or not _builds_without_pooling(cfg, num_classes, kwargs):
             raise
         raise ConfigError(f'model {cfg.model} has no global pooling {cfg.gp!r}: {type(e).__name__}: {e}',
                           '--gp') from None
@@ -142,6 +142,18 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model, {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+
+
+def _builds_without_pooling(cfg: TrainConfig, num_classes: int, kwargs: Dict[str, Any]) -> bool:
+    """Whether the model ``cfg`` names builds, without weights, once ``--gp`` is left out: then the pooling is what
+    it could not take (a checkpoint that does not fit, or another keyword argument, is not)."""
+    import timm
+    rest = {k: v for k, v in kwargs.items() if k != 'global_pool'}
+    try:
+        timm.create_model(cfg.model, pretrained=False, num_classes=num_classes, **rest)
+    except Exception:  # any failure without the pooling: not the pooling's
+        return False
+    return not cfg.pretrained  # with weights, a failure may be theirs (a classifier of another width)
 
 
 def model_kwargs_error(cfg: TrainConfig, error: TypeError) -> Optional[ConfigError]:
@@ -228,7 +240,7 @@ def _check_pooling(cfg: TrainConfig, model: nn.Module, input_size, device) -> No
             out = model(torch.zeros(1, *input_size, device=device))
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
         problem = None if shape == (1, cfg.num_classes) else f'it gives outputs of shape {shape}'
-    except RuntimeError as e:
+    except (RuntimeError, AssertionError, ValueError) as e:
         problem = f'{type(e).__name__}: {e}'
     finally:
         model.train(was)
