@@ -144,7 +144,7 @@ def test_what_a_run_resolves_is_left_out(tmp_path):
 
 
 @pytest.mark.parametrize('text, message', [
-    ('bce_loss: true\nepochs: 2\nsync_bn: true\n', 'unknown settings bce_loss, sync_bn: not flags of train.py'),
+    ('jsd_loss: true\nepochs: 2\nsync_bn: true\n', 'unknown settings jsd_loss, sync_bn: not flags of train.py'),
     ('config: other.yaml\n', 'unknown setting config: not flags of train.py'),
     ('batch-size: 16\n', 'unknown setting batch-size'),
     ('epochs: 0\n', 'epochs: must be an integer >= 1'),

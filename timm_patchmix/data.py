@@ -442,10 +442,10 @@ def default_crop_padding(img_size: int) -> int:
 class Augment:
     """The training augmentation of timm's flags (``--no-aug``, ``--scale``, ``--ratio``, ``--hflip``, ``--vflip``,
     ``--color-jitter``, ``--aa``, ``--reprob``/``--remode``/``--recount``, ``--train-interpolation``), with
-    timm's train.py defaults. ``None`` is timm's value on timm's transform (``scale`` (0.08, 1), ``ratio``
-    (3/4, 4/3), ``color_jitter`` 0.4, ``interpolation`` 'random') and off on the CIFAR-style one. Random erasing
-    belongs to the tensor transform without the prefetcher; with it, to timm's ``PrefetchLoader``
-    (:meth:`prefetch_erasing`)."""
+    timm's train.py defaults (:class:`~timm_patchmix.engine.TrainConfig` takes its fields and defaults from here).
+    ``None`` is timm's value on timm's transform (``scale`` (0.08, 1), ``ratio`` (3/4, 4/3), ``color_jitter`` 0.4,
+    ``train_interpolation`` 'random') and off on the CIFAR-style one. Random erasing belongs to the tensor
+    transform without the prefetcher; with it, to timm's ``PrefetchLoader`` (:meth:`prefetch_erasing`)."""
     no_aug: bool = False
     scale: Optional[Tuple[float, float]] = None
     ratio: Optional[Tuple[float, float]] = None
@@ -456,7 +456,7 @@ class Augment:
     reprob: float = 0.0
     remode: str = 'pixel'
     recount: int = 1
-    interpolation: Optional[str] = None
+    train_interpolation: Optional[str] = None
 
     def prefetch_erasing(self) -> dict:
         """The random-erasing arguments of timm's ``PrefetchLoader`` for the training loader (none with
@@ -537,7 +537,7 @@ def image_transform(input_size, is_training: bool, use_prefetcher: bool, mean, s
     if is_training:
         aug = augment or Augment()
         # timm's train.py: the training interpolation is 'random' unless given, the model's with --no-aug
-        train_interp = interpolation if aug.no_aug else (aug.interpolation or 'random')
+        train_interp = interpolation if aug.no_aug else (aug.train_interpolation or 'random')
         extra = dict(no_aug=aug.no_aug, scale=aug.scale, ratio=aug.ratio, hflip=aug.hflip, vflip=aug.vflip,
                      color_jitter=0.4 if aug.color_jitter is None else aug.color_jitter, auto_augment=aug.aa,
                      re_prob=aug.reprob, re_mode=aug.remode, re_count=aug.recount, interpolation=train_interp)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ..cli_types import (bounds_of, float_range, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                          probability)
+from ..data import Augment
 from .errors import ConfigError
 
 __all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'VALUE_TYPES', 'SEQUENCES',
@@ -220,17 +221,18 @@ class TrainConfig:
     # training augmentation, timm's flags and defaults (see timm_patchmix.data.image_transform): None is timm's
     # value on timm's transform (scale (0.08, 1), ratio (3/4, 4/3), colour jitter 0.4, 'random' interpolation) and
     # off on the CIFAR-style one, which neither resizes nor jitters unless told; random erasing follows normalisation
-    no_aug: bool = False
-    scale: Optional[Tuple[float, float]] = None
-    ratio: Optional[Tuple[float, float]] = None
-    hflip: float = 0.5
-    vflip: float = 0.0
-    color_jitter: Optional[float] = None
-    aa: Optional[str] = None
-    reprob: float = 0.0
-    remode: str = 'pixel'
-    recount: int = 1
-    train_interpolation: Optional[str] = None
+    # (the fields and defaults of timm_patchmix.data.Augment, which the loaders build from them)
+    no_aug: bool = Augment.no_aug
+    scale: Optional[Tuple[float, float]] = Augment.scale
+    ratio: Optional[Tuple[float, float]] = Augment.ratio
+    hflip: float = Augment.hflip
+    vflip: float = Augment.vflip
+    color_jitter: Optional[float] = Augment.color_jitter
+    aa: Optional[str] = Augment.aa
+    reprob: float = Augment.reprob
+    remode: str = Augment.remode
+    recount: int = Augment.recount
+    train_interpolation: Optional[str] = Augment.train_interpolation
     # optimizer and schedule
     batch_size: Optional[int] = None
     validation_batch_size: Optional[int] = None
@@ -425,9 +427,9 @@ class TrainConfig:
         if self.no_aug and given:
             raise ConfigError(f'--no-aug switches training augmentation off; {" and ".join(given)} would be unused. '
                               f'Drop one or the other')
-        if self.reprob == 0 and (self.remode != 'pixel' or self.recount != 1):
-            raise ConfigError(f'{"--remode" if self.remode != "pixel" else "--recount"} sets the random erasing of '
-                              f'--reprob, which is 0; add --reprob P')
+        if self.reprob == 0 and (self.remode != Augment.remode or self.recount != Augment.recount):
+            flag = '--remode' if self.remode != Augment.remode else '--recount'
+            raise ConfigError(f'{flag} sets the random erasing of --reprob, which is 0; add --reprob P')
         if self.color_jitter and self.aa is not None and '3a' not in self.aa:
             raise ConfigError(f'timm leaves colour jitter out beside an --aa policy other than 3a; --color-jitter '
                               f'{self.color_jitter:g} would be unused with --aa {self.aa}. Drop one or the other')
@@ -440,9 +442,8 @@ class TrainConfig:
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""
-        return tuple(_flag(name) for name in ('scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob',
-                                              'train_interpolation')
-                     if getattr(self, name) != _FIELDS[name].default)
+        return tuple(_flag(f.name) for f in dataclasses.fields(Augment)
+                     if f.name not in ('no_aug', 'remode', 'recount') and getattr(self, f.name) != f.default)
 
     def _check_values(self) -> None:
         """Every setting of its kind: numbers in their flags' ranges (:data:`VALUE_TYPES`), sequences of their

@@ -1,6 +1,7 @@
 """The data of a run: datasets, timm's data config, transforms, the mixer or mixing collate, and the loaders."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -154,9 +155,7 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
 def augment(cfg: TrainConfig):
     """The training augmentation of ``cfg``'s flags (:class:`~timm_patchmix.data.Augment`)."""
     from ..data import Augment
-    return Augment(no_aug=cfg.no_aug, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip, vflip=cfg.vflip,
-                   color_jitter=cfg.color_jitter, aa=cfg.aa, reprob=cfg.reprob, remode=cfg.remode,
-                   recount=cfg.recount, interpolation=cfg.train_interpolation)
+    return Augment(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Augment)})
 
 
 def _transforms(cfg: TrainConfig):
