@@ -420,6 +420,7 @@ def test_pipeline_refuses_a_phase_made_before_the_holdout(tmp_path):
     old = {k: v for k, v in _phase_settings(args, 0).items() if not k.startswith('--holdout')}
     (out / 'seed0' / 'base').mkdir(parents=True)
     write_settings(str(out / 'seed0' / 'base' / SETTINGS_FILE), old)
+    (out / 'seed0' / 'base' / 'summary.csv').write_text('epoch\n0\n')  # what it made (a record alone: a fresh start)
     with pytest.raises(SettingsChangedError, match=r'--holdout: 0.0 before, 0.1 now'):
         pipeline_main(['--output', str(out), '--methods', 'base', '--train-args', '--train-subset', '32'])
 
