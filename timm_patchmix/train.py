@@ -140,7 +140,7 @@ def _augment_flags(g) -> None:
     g.add_argument('--vflip', type=VALUE_TYPES['vflip'], default=0.0, help='vertical flip probability')
     g.add_argument('--color-jitter', type=VALUE_TYPES['color_jitter'], default=None, metavar='PCT',
                    help="colour jitter factor (default: timm's 0.4 on timm's transform, none on the CIFAR-style "
-                        "one; with --aa, none unless the policy is 3a, as in timm, and then not to be given)")
+                        "one). timm leaves it out beside an --aa policy other than 3a, so it is refused there")
     g.add_argument('--aa', default=None, metavar='POLICY',
                    help="timm's AutoAugment/RandAugment/AugMix policy, e.g. rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
                         "original, v0, 3a")
