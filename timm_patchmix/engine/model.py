@@ -21,9 +21,8 @@ KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans
                'grid': '--patchmix-grid', 'per_position': '--per-position-head', 'num_classes': '--num-classes',
                'pretrained': '--pretrained', 'drop_block_rate': '--drop-block', 'global_pool': '--gp',
                'bn_momentum': '--bn-momentum', 'bn_eps': '--bn-eps'}
-# timm's model flags and the keyword arguments of timm.create_model they set, when given
-_FLAG_KWARGS = (('drop_block', 'drop_block_rate'), ('gp', 'global_pool'), ('bn_momentum', 'bn_momentum'),
-                ('bn_eps', 'bn_eps'))
+# the keyword arguments of timm.create_model that timm's model flags (KWARG_FLAGS) set when given
+_FLAG_KWARGS = ('drop_block_rate', 'global_pool', 'bn_momentum', 'bn_eps')
 
 
 def model_arch(model: str) -> str:
@@ -66,12 +65,13 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
         kwargs['drop_path_rate'] = cfg.drop_path
     if cfg.drop:
         kwargs['drop_rate'] = cfg.drop
-    for name, key in _FLAG_KWARGS:
-        if getattr(cfg, name) is not None:
+    for key in _FLAG_KWARGS:
+        value = getattr(cfg, KWARG_FLAGS[key][2:].replace('-', '_'))  # the TrainConfig field of the flag
+        if value is not None:
             if key in cfg.model_kwargs:
                 raise ConfigError(f'{key} is set by {KWARG_FLAGS[key]}; leave it out of --model-kwargs',
                                   '--model-kwargs')
-            kwargs[key] = getattr(cfg, name)
+            kwargs[key] = value
     return kwargs
 
 
