@@ -211,6 +211,57 @@ def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
     assert not os.path.exists(tmp_path / 'kw'), 'stopped before the run folder is made'
 
 
+@pytest.mark.parametrize('extra, flag, names', [
+    # a key of --model-kwargs that a flag given beside it sets: timm's train.py passes both and create_model refuses
+    (['--drop', '0.1', '--model-kwargs', 'drop_rate=0.2'], '--model-kwargs', ['drop_rate is set by --drop']),
+    (['--drop-path', '0.1', '--model-kwargs', 'drop_path_rate=0.2'], '--model-kwargs',
+     ['drop_path_rate is set by --drop-path']),
+    (['--model', 'patchhead_resnet8_cifar', '--patchmix-grid', '2', '--model-kwargs', 'grid=4'], '--model-kwargs',
+     ['grid is set by --patchmix-grid']),
+    (['--model', 'patchhead_resnet8_cifar', '--per-position-head', '--model-kwargs', 'per_position=False'],
+     '--model-kwargs', ['per_position is set by --per-position-head']),
+    (['--drop-block', '0.1', '--model-kwargs', 'drop_block_rate=0.2'], '--model-kwargs',
+     ['drop_block_rate is set by --drop-block']),
+    # the data's channels follow --in-chans/--input-size: in_chans in --model-kwargs alone gave a 1-channel stem
+    # 3-channel images (a RuntimeError at the first forward)
+    (['--model-kwargs', 'in_chans=1'], '--model-kwargs', ['in_chans is set by --in-chans', 'give --in-chans 1']),
+    (['--in-chans', '1', '--input-size', '3', '32', '32'], '--in-chans',
+     ['--in-chans 1 and --input-size 3 32 32 name different channel counts']),
+    # a builder's assertion without a message (timm's ResNet: assert output_stride in (8, 16, 32))
+    (['--model', 'resnet18', '--model-kwargs', 'output_stride=7'], '--model-kwargs',
+     ['model resnet18 cannot be built with output_stride=7', 'assert output_stride in (8, 16, 32)']),
+    (['--model', 'patchhead_resnet18', '--model-kwargs', 'output_stride=7'], '--model-kwargs',
+     ['model patchhead_resnet18 cannot be built with output_stride=7', 'AssertionError']),
+])
+def test_model_settings_that_contradict_or_cannot_build(capsys, tmp_path, extra, flag, names):
+    expect_usage_error(capsys, train.cli, TINY + ['--output', str(tmp_path), '--experiment', 'kw'] + extra, *names,
+                       flag=flag)
+    assert not os.path.exists(tmp_path / 'kw'), 'stopped before the run folder is made'
+
+
+def test_model_kwargs_without_the_flag_still_reach_the_model():
+    # the refusal is of a key given twice: alone, --model-kwargs sets it (with --drop at its default of 0)
+    from timm_patchmix.engine import TrainConfig
+    from timm_patchmix.engine.model import build_model
+    model, kwargs = build_model(TrainConfig(model='resnet8_cifar', model_kwargs={'drop_rate': 0.2}), 10)
+    assert model.drop_rate == 0.2 and kwargs['drop_rate'] == 0.2
+    model, kwargs = build_model(TrainConfig(model='patchhead_resnet8_cifar', model_kwargs={'grid': 2}), 10)
+    assert tuple(model.grid) == (2, 2) and kwargs['grid'] == 2
+
+
+def test_input_size_channels_build_the_model_as_timm_does(tmp_path):
+    # timm's train.py builds the model with in_chans = --input-size's first value when --in-chans is not given;
+    # before, the model kept 3 channels and the first forward of the 1-channel data failed
+    from timm_patchmix.engine import TrainConfig, train as run
+    cfg = TrainConfig(model='resnet8_cifar', input_size=(1, 32, 32), epochs=1, output=str(tmp_path),
+                      experiment='one', train_subset=32, val_subset=16, batch_size=16, workers=0, no_progress=True,
+                      device='cpu')
+    result = run(cfg)
+    state, meta = load_weights(os.path.join(result.output, 'last.safetensors'))
+    assert meta['model_kwargs']['in_chans'] == 1 and meta['data']['input_size'] == [1, 32, 32]
+    assert state['conv1.weight'].shape[1] == 1
+
+
 @pytest.mark.parametrize('model, names', [
     ('patchhead_resnet50', ['patchhead_resnet50 has no weights', 'a1_in1k']),
     ('patchhead_resnet50.gpm_in1k', ['not published', 'docs/hub.md']),

@@ -20,7 +20,7 @@ from ..data import Augment
 from .errors import ConfigError
 
 __all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'VALUE_TYPES', 'SEQUENCES',
-           'PATHS', 'UNFLAGGED', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid', 'check_setting']
+           'PATHS', 'UNFLAGGED', 'KWARG_FLAGS', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid', 'check_setting']
 
 # Defaults of timm's train.py for the flags a recipe may change; a recipe fills only flags the user left unset.
 TIMM_DEFAULTS: Dict[str, Any] = dict(model='resnet50', epochs=300, batch_size=128, opt='sgd', lr=None, momentum=0.9,
@@ -99,6 +99,11 @@ KWARGS = ('model_kwargs', 'opt_kwargs')
 PATHS = ('data_dir', 'initial_checkpoint', 'resume', 'output', 'patchmix_table')
 # settings no flag sets: the command line itself, and those resolved from the model and the batch (see resolve)
 UNFLAGGED = ('command', 'arch', 'patch_head', 'data_config', 'lr_source')
+# the keyword arguments of timm.create_model that train.py passes itself, by the flag that sets each
+KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans': '--in-chans',
+               'grid': '--patchmix-grid', 'per_position': '--per-position-head', 'num_classes': '--num-classes',
+               'pretrained': '--pretrained', 'drop_block_rate': '--drop-block', 'global_pool': '--gp',
+               'bn_momentum': '--bn-momentum', 'bn_eps': '--bn-eps'}
 
 
 def _flag(name: str) -> str:
@@ -375,6 +380,7 @@ class TrainConfig:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')
         self._check_augment()
+        self._check_model_kwargs()
         bce = [f for f, on in (('--bce-sum', self.bce_sum), ('--bce-target-thresh', self.bce_target_thresh is not None),
                                ('--bce-pos-weight', self.bce_pos_weight is not None)) if on]
         if bce and not self.bce_loss:
@@ -439,6 +445,29 @@ class TrainConfig:
             raise ConfigError(f'--device-data crops, flips and normalises on the device; {" and ".join(loader_only)} '
                               f'{"is a transform" if len(loader_only) == 1 else "are transforms"} of the data loader. '
                               f'Drop --device-data or {" and ".join(loader_only)}')
+
+    def _check_model_kwargs(self) -> None:
+        """No key of ``--model-kwargs`` that a flag given beside it sets too (timm's train.py passes both, and
+        ``create_model`` refuses the second): the model would silently take one of them, the rest of the run
+        (the mixer's grid, the data's channels) perhaps the other. ``in_chans`` is refused there outright: the
+        data's channels follow ``--in-chans``, or else the first value of ``--input-size``, which timm's train.py
+        also builds the model with; the two flags must then agree."""
+        if 'in_chans' in self.model_kwargs:
+            raise ConfigError(f'in_chans is set by --in-chans (or the first value of --input-size), whose channel '
+                              f'count the data follows too; give --in-chans {self.model_kwargs["in_chans"]} instead',
+                              '--model-kwargs')
+        if self.in_chans is not None and self.input_size is not None and self.in_chans != self.input_size[0]:
+            raise ConfigError(f'--in-chans {self.in_chans} and --input-size {" ".join(map(str, self.input_size))} '
+                              f'name different channel counts; give one of them', '--in-chans')
+        given = {'drop_rate': self.drop != 0, 'drop_path_rate': self.drop_path is not None,
+                 # a resolved config's grid is the model's own (resolve), also where --model-kwargs set it
+                 'grid': self.grid is not None and not self.is_resolved, 'per_position': self.per_position_head,
+                 'drop_block_rate': self.drop_block is not None, 'global_pool': self.gp is not None,
+                 'bn_momentum': self.bn_momentum is not None, 'bn_eps': self.bn_eps is not None}
+        for key, on in given.items():
+            if on and key in self.model_kwargs:
+                raise ConfigError(f'{key} is set by {KWARG_FLAGS[key]}; give it there or in --model-kwargs, not in '
+                                  f'both', '--model-kwargs')
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""

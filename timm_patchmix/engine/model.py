@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .config import DEFAULT_GRID, TrainConfig
+from .config import DEFAULT_GRID, KWARG_FLAGS, TrainConfig
 from .errors import ConfigError, TrainSetupError
 
 __all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'init_heads', 'load_initial_checkpoint',
@@ -17,10 +17,6 @@ __all__ = ['SOURCES', 'model_arch', 'resolve_arch', 'build_model', 'init_heads',
 
 _logger = logging.getLogger(__name__)
 SOURCES = ('hf-hub:', 'local-dir:')
-KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans': '--in-chans',
-               'grid': '--patchmix-grid', 'per_position': '--per-position-head', 'num_classes': '--num-classes',
-               'pretrained': '--pretrained', 'drop_block_rate': '--drop-block', 'global_pool': '--gp',
-               'bn_momentum': '--bn-momentum', 'bn_eps': '--bn-eps'}
 # the keyword arguments of timm.create_model that timm's model flags (KWARG_FLAGS) set when given
 _FLAG_KWARGS = ('drop_block_rate', 'global_pool', 'bn_momentum', 'bn_eps')
 
@@ -61,16 +57,15 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
             kwargs['per_position'] = True
     if cfg.in_chans is not None:
         kwargs['in_chans'] = cfg.in_chans
+    elif cfg.input_size is not None:  # as timm's train.py: the channels of --input-size
+        kwargs['in_chans'] = cfg.input_size[0]
     if cfg.drop_path is not None:
         kwargs['drop_path_rate'] = cfg.drop_path
     if cfg.drop:
         kwargs['drop_rate'] = cfg.drop
-    for key in _FLAG_KWARGS:
+    for key in _FLAG_KWARGS:  # the same key in --model-kwargs is refused by TrainConfig
         value = getattr(cfg, KWARG_FLAGS[key][2:].replace('-', '_'))  # the TrainConfig field of the flag
         if value is not None:
-            if key in cfg.model_kwargs:
-                raise ConfigError(f'{key} is set by {KWARG_FLAGS[key]}; leave it out of --model-kwargs',
-                                  '--model-kwargs')
             kwargs[key] = value
     return kwargs
 
@@ -116,10 +111,17 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
             raise usage from None
         raise
     except (AssertionError, ValueError, KeyError) as e:  # timm's pooling factories assert on an unknown type
-        if cfg.gp is None or isinstance(e, TrainSetupError) or not _builds_without_pooling(cfg, num_classes, kwargs):
+        if isinstance(e, TrainSetupError):
             raise
-        raise ConfigError(f'model {cfg.model} has no global pooling {cfg.gp!r}: {type(e).__name__}: {e}',
-                          '--gp') from None
+        if cfg.gp is not None and _builds_without(cfg, num_classes, kwargs, ('global_pool',)):
+            raise ConfigError(f'model {cfg.model} has no global pooling {cfg.gp!r}: {_failure(e)}', '--gp') from None
+        if cfg.model_kwargs and _builds_without(cfg, num_classes, kwargs, tuple(cfg.model_kwargs)):
+            given = ' '.join(f'{k}={v!r}' for k, v in cfg.model_kwargs.items())
+            raise ConfigError(f'model {cfg.model} cannot be built with {given}: {_failure(e)}',
+                              '--model-kwargs') from None
+        if not isinstance(e, AssertionError):
+            raise
+        raise TrainSetupError(f'model {cfg.model} cannot be built with these settings: {_failure(e)}') from None
     except (OSError, RuntimeError) as e:  # no weights for the model (timm's RuntimeError), no file or no network
         if not cfg.pretrained or (isinstance(e, RuntimeError) and 'pretrained' not in str(e).lower()):
             raise
@@ -144,16 +146,26 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     return model, {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
 
 
-def _builds_without_pooling(cfg: TrainConfig, num_classes: int, kwargs: Dict[str, Any]) -> bool:
-    """Whether the model ``cfg`` names builds, without weights, once ``--gp`` is left out: then the pooling is what
-    it could not take (a checkpoint that does not fit, or another keyword argument, is not)."""
+def _builds_without(cfg: TrainConfig, num_classes: int, kwargs: Dict[str, Any], keys: Tuple[str, ...]) -> bool:
+    """Whether the model ``cfg`` names builds, without weights, once the keyword arguments ``keys`` are left out:
+    then they are what it could not take (a checkpoint that does not fit, or another keyword argument, is not)."""
     import timm
-    rest = {k: v for k, v in kwargs.items() if k != 'global_pool'}
+    rest = {k: v for k, v in kwargs.items() if k not in keys}
     try:
         timm.create_model(cfg.model, pretrained=False, num_classes=num_classes, **rest)
-    except Exception:  # any failure without the pooling: not the pooling's
+    except Exception:  # any failure without them: not theirs
         return False
     return not cfg.pretrained  # with weights, a failure may be theirs (a classifier of another width)
+
+
+def _failure(error: BaseException) -> str:
+    """``error`` in words: its type and message, or for an assertion without a message the failing line."""
+    text = str(error)
+    if not text and isinstance(error, AssertionError):
+        import traceback
+        frames = traceback.extract_tb(error.__traceback__)
+        text = (frames[-1].line or '').strip() if frames else ''
+    return f'{type(error).__name__}: {text}' if text else type(error).__name__
 
 
 def model_kwargs_error(cfg: TrainConfig, error: TypeError) -> Optional[ConfigError]:
