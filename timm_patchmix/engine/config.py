@@ -20,7 +20,8 @@ from ..data import Augment
 from .errors import ConfigError
 
 __all__ = ['TIMM_DEFAULTS', 'RECIPES', 'SCHEDULERS', 'CLIP_MODES', 'DEFAULT_GRID', 'VALUE_TYPES', 'SEQUENCES',
-           'PATHS', 'UNFLAGGED', 'KWARG_FLAGS', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid', 'check_setting']
+           'PATHS', 'UNFLAGGED', 'KWARG_FLAGS', 'DataConfig', 'TrainConfig', 'resolve', 'scaled_lr', 'normal_grid',
+           'check_setting']
 
 # Defaults of timm's train.py for the flags a recipe may change; a recipe fills only flags the user left unset.
 TIMM_DEFAULTS: Dict[str, Any] = dict(model='resnet50', epochs=300, batch_size=128, opt='sgd', lr=None, momentum=0.9,
