@@ -116,7 +116,8 @@ def test_a_validation_folder_missing_a_class_keeps_the_training_labels(tmp_path)
 
 def test_a_validation_class_the_training_split_lacks_is_refused(tmp_path, capsys):
     root, _ = image_folder(tmp_path / 'f', {'train': ['ant', 'cat'], 'validation': ['ant', 'bee', 'cat']})
-    with pytest.raises(TrainSetupError, match=r"split 'validation' .*\['bee'\] are not training classes"):
+    with pytest.raises(TrainSetupError,
+                       match=r"split 'validation' .*; the training split has .*\['bee'\] are not among them"):
         build_datasets(parse_config(['--data-dir', root]))
 
 

@@ -311,22 +311,24 @@ class PILView(Dataset):
 
 
 def open_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
-                 class_names: Optional[Sequence[str]] = None) -> Tuple[Dataset, list]:
+                 class_names: Optional[Sequence[str]] = None,
+                 classes_of: str = 'the training split') -> Tuple[Dataset, list]:
     """The whole ``split`` of dataset ``name`` and its class names (see :func:`build_dataset` for the names).
 
-    ``class_names``: the classes the labels must follow, in order (the training split's). An image folder
-    labels its class subfolders by their sorted names, split by split, so a validation folder that lacks a class
-    would shift the labels after it: such a split is opened with the training split's class map instead, and one
-    with a class the training split lacks is a :class:`DatasetError`."""
+    ``class_names``: the classes the labels must follow, in order (the training split's, or those a checkpoint's
+    model was trained on; ``classes_of`` says which, for the error). An image folder labels its class subfolders
+    by their sorted names, split by split, so a validation folder that lacks a class would shift the labels after
+    it: such a split is opened with the given class map instead, and one with a class outside it is a
+    :class:`DatasetError`."""
     base, classes = _open_dataset(name, root, split, download)
     if class_names is None or not classes or list(classes) == list(class_names):
         return base, classes
     where = f'split {split!r} of {root or name}'
     extra = [c for c in classes if c not in class_names]
     if extra or not hasattr(getattr(base, 'reader', None), 'class_to_idx'):
-        raise DatasetError(f'the {where} has the classes {list(classes)}, the training split {list(class_names)}'
-                           + (f': {extra} are not training classes' if extra else '')
-                           + '; every split needs the training split\'s classes')
+        raise DatasetError(f'the {where} has the classes {list(classes)}; {classes_of} has {list(class_names)}'
+                           + (f': {extra} are not among them' if extra else '')
+                           + f'. A split needs the classes of {classes_of}, in their order')
     from timm.data import create_dataset
     base = create_dataset(name, root=root, split=split, is_training=is_train_split(split), download=download,
                           class_map={c: i for i, c in enumerate(class_names)})
@@ -406,19 +408,20 @@ def make_view(base: Dataset, classes, indices=None) -> 'PILView':
 
 def build_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
                   subset: Optional[int] = None, subset_seed: int = 0,
-                  class_names: Optional[Sequence[str]] = None) -> PILView:
+                  class_names: Optional[Sequence[str]] = None, classes_of: str = 'the training split') -> PILView:
     """Open a dataset as a :class:`PILView` with ``classes`` set.
 
     ``name``: ``''`` or ``'patchshapes'`` (embedded default; with ``''`` and a ``root``, an image folder as in
     timm), ``'fashion_mnist'`` (IDX files from ``root`` or Debian's folder), ``'sklearn_digits'``
     (:class:`SklearnDigits`, from scikit-learn; ``root`` is not used), or any timm dataset name
     (``torch/cifar10``, ``torch/fashion_mnist``, ``hfds/...``, a folder...). ``subset`` keeps a fixed random
-    ``subset`` of the items (:func:`subset_indices`). ``class_names``: the training split's classes, which the
-    labels of an evaluation split must follow (see :func:`open_dataset`). A ``subset`` that is not an integer
+    ``subset`` of the items (:func:`subset_indices`). ``class_names``: the training split's classes (or a
+    checkpoint's, named by ``classes_of``), which the labels of an evaluation split must follow (see
+    :func:`open_dataset`). A ``subset`` that is not an integer
     >= 0 is a ``ValueError``, before the dataset is opened.
     """
     _check_subset(subset)
-    base, classes = open_dataset(name, root, split, download, class_names)
+    base, classes = open_dataset(name, root, split, download, class_names, classes_of)
     indices = None
     if subset is not None and subset < len(base):
         indices = subset_indices(range(len(base)), subset, subset_seed)

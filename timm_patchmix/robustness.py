@@ -120,7 +120,8 @@ def main(argv=None) -> int:
         ds = build_dataset(args.dataset if args.dataset is not None else data.get('dataset', ''),
                            args.data_dir if args.data_dir is not None else data.get('data_dir', ''),
                            args.val_split or data.get('val_split', 'validation'),
-                           subset=args.val_subset, class_names=meta.get('class_names') or None)
+                           subset=args.val_subset, class_names=meta.get('class_names') or None,
+                           classes_of=f'the model in {args.checkpoint}')
     except (CheckpointError, FileNotFoundError, ValueError) as e:  # a file or dataset it cannot use: exit 1
         print(f'error: {e}', file=sys.stderr)
         return 1

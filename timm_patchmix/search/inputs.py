@@ -160,10 +160,11 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     data_dir = cfg.data_dir if cfg.data_dir is not None else data.get('data_dir', '')
     split = _scored_split(cfg, data, dataset, data_dir)
     holdout = data.get('holdout') if split == HOLDOUT else None
+    trained_on = f'the model in {cfg.checkpoint}'
     try:
         if holdout is not None:
             base, classes = open_dataset(dataset, data_dir, data.get('train_split', 'train'),
-                                         class_names=meta.get('class_names') or None)
+                                         class_names=meta.get('class_names') or None, classes_of=trained_on)
             try:
                 hold = Holdout.from_record(holdout, len(base), f'{cfg.checkpoint}')
             except HoldoutError as e:
@@ -171,7 +172,7 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
             ds = make_view(base, classes, hold.subsets(val_subset=cfg.val_subset)[1])
         else:
             ds = build_dataset(dataset, data_dir, split, subset=cfg.val_subset,
-                               class_names=meta.get('class_names') or None)
+                               class_names=meta.get('class_names') or None, classes_of=trained_on)
     except (FileNotFoundError, DatasetError) as e:
         raise SearchError(str(e)) from None
     try:
