@@ -350,8 +350,8 @@ def test_errors(ckpt, tmp_path):
     err(['--n-active', '46'], 'N=46 active pairs, but 10 classes have only 45 pairs')
     err(['--k', '31'], 'fewer than the 31 that K=31 needs')
     # a dataset of other classes: named as the model's, not as a training split's
-    err(['--dataset', 'sklearn_digits'], r"sklearn_digits has the classes \['0', .*; the model in .*ft\.safetensors has "
-        r"\['disc', .*are not among them")
+    err(['--dataset', 'sklearn_digits'],
+        r"sklearn_digits has the classes \['0', .*; the model in .*ft\.safetensors has \['disc', .*are not among them")
     corrupt = tmp_path / 'corrupt.safetensors'
     corrupt.write_bytes(open(ckpt, 'rb').read()[:5000])
     err([], 'not a readable safetensors file', str(corrupt))
