@@ -229,6 +229,12 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
             f.fail('best.metric', "'top1', 'top5' or 'loss'", best.get('metric'))
     if meta.get('updates') is not None:
         f.int(meta['updates'], 'updates', lo=0)
+    if meta.get('checkpoints') is not None:  # --checkpoint-hist's kept epochs
+        kept = f.list(meta['checkpoints'], 'checkpoints')
+        for k, e in enumerate(kept):
+            f.int(e, f'checkpoints[{k}]', lo=0, hi=epoch)
+        if len(set(kept)) != len(kept):
+            f.fail('checkpoints', 'distinct epochs', kept)
     if meta.get('seed') is not None:
         f.int(meta['seed'], 'seed')
     for key in ('args', 'settings'):

@@ -266,6 +266,10 @@ def _running_flags(g) -> None:
     g.add_argument('--experiment', default='')
     g.add_argument('--log-interval', type=VALUE_TYPES['log_interval'], default=50)
     g.add_argument('--eval-metric', default='top1', choices=('top1', 'top5', 'loss'))
+    g.add_argument('--checkpoint-hist', type=VALUE_TYPES['checkpoint_hist'], default=0, metavar='N',
+                   help='keep the weights of the N best epochs by --eval-metric (as summary.csv gives it) as '
+                        'checkpoint-<epoch>.safetensors, timm\'s checkpoint history (timm keeps 10 by default; 0: '
+                        'none, only best, last and state)')
     g.add_argument('--fgsm', type=VALUE_TYPES['fgsm'], nargs='+', default=None, metavar='EPS',
                    help='after training, FGSM top-1 on the validation set for each eps (pixels in [0, 1])')
     g.add_argument('--no-progress', action='store_true', default=False)

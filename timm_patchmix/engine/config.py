@@ -87,6 +87,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'bce_target_thresh': fraction, 'bce_pos_weight': positive_float,
     # running
     'workers': nonneg_int, 'seed': int, 'log_interval': positive_int, 'fgsm': nonneg_float,
+    'checkpoint_hist': nonneg_int,
 }
 # settings that hold several values, each of its VALUE_TYPES: how many (as their flags' nargs: (min, max), None for
 # no maximum); ``grid`` (P or rows cols) is checked by normal_grid
@@ -322,6 +323,7 @@ class TrainConfig:
     experiment: str = ''
     log_interval: int = 50
     eval_metric: str = 'top1'
+    checkpoint_hist: int = 0  # the best epochs' weights kept as checkpoint-<epoch>.safetensors (see records)
     fgsm: Optional[Tuple[float, ...]] = None
     no_progress: bool = False
     command: str = ''  # the command line that started the run, recorded in the checkpoints

@@ -6,7 +6,7 @@ import csv
 import io
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import yaml
@@ -14,14 +14,15 @@ import yaml
 from .config import TrainConfig
 from .errors import TrainSetupError
 
-__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'resume_settings', 'csv_text', 'weights_meta', 'ResumePoint', 'load_resume',
-           'scheduler_state', 'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
+__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 'csv_text', 'weights_meta',
+           'ResumePoint', 'load_resume', 'checkpoint_history', 'scheduler_state', 'load_scheduler_state', 'write_args',
+           'write_start', 'save_epoch']
 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
 # settings its saved state brings back (loading an optimizer's state restores its weight decay, momentum, betas and
-# eps, whatever the flags say). The schedule, --epochs, --lr..., may change on a resume; --model and the class
-# count come from the state's args.
+# eps, whatever the flags say), and --checkpoint-hist (a smaller one would remove the history's files). The
+# schedule, --epochs, --lr..., may change on a resume; --model and the class count come from the state's args.
 RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'opt_kwargs', 'layer_decay',
                    'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'mean', 'std', 'crop_pct',
                    'interpolation', 'model_kwargs', 'train_subset',
@@ -32,7 +33,7 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema', 'no_aug',
                    'scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob', 'remode', 'recount',
                    'train_interpolation', 'gp', 'bn_momentum', 'bn_eps', 'bce_loss', 'bce_sum', 'bce_target_thresh',
-                   'bce_pos_weight')
+                   'bce_pos_weight', 'checkpoint_hist')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
@@ -93,6 +94,7 @@ class ResumePoint:
     optimizer_state: Optional[Dict[str, Any]] = None
     scheduler_state: Optional[Dict[str, Any]] = None
     ema_state: Optional[Dict[str, torch.Tensor]] = None  # --model-ema's weights
+    checkpoints: List[int] = field(default_factory=list)  # --checkpoint-hist: the epochs whose files it kept
 
 
 _DEFAULTS = TrainConfig().record()
@@ -102,6 +104,24 @@ EMA_PREFIX = 'ema.'
 
 # the columns of summary.csv, one row per epoch
 ROW_KEYS = ('epoch', 'train_loss', 'eval_loss', 'eval_top1', 'eval_top5', 'lr', 'img_s')
+# the weights of an epoch that --checkpoint-hist keeps, beside best and last
+CHECKPOINT_NAME = 'checkpoint-{}.safetensors'
+
+
+def checkpoint_history(rows: List[Dict[str, Any]], kept: List[int], epoch: int, n: int, metric: str,
+                       exists=lambda e: True) -> Tuple[List[int], List[int]]:
+    """timm's checkpoint history (``--checkpoint-hist n``) once ``epoch`` is done: the epochs whose weights files
+    to keep, best first, and those of ``kept`` (the history after the epoch before) to remove. Epochs rank by
+    ``metric`` as ``rows`` (summary.csv) give it, higher first but for the loss; of equal scores the earlier epoch
+    ranks first, so a new epoch displaces the worst kept one only when it is strictly better, as in timm's
+    ``CheckpointSaver``. An epoch of ``kept`` whose file ``exists`` no longer (a run stopped between removing it
+    and saving its state) drops out."""
+    if n == 0:
+        return [], []
+    column, sign = f'eval_{metric}', (1 if metric == 'loss' else -1)
+    candidates = [e for e in kept if e < epoch and exists(e)] + [epoch]
+    order = sorted(candidates, key=lambda e: (sign * rows[e][column], e))
+    return order[:n], [e for e in order[n:] if e != epoch]
 
 
 def _older_settings(saved: Dict[str, Any]) -> Dict[str, Any]:
@@ -160,7 +180,7 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
         raise TrainSetupError(f'cannot resume from {cfg.resume} with --model-ema: it holds no weight average (it '
                               f'was trained without --model-ema)')
     return ResumePoint(int(meta['epoch']) + 1, rows, meta.get('best'), int(meta.get('updates', 0)), st['model'],
-                       st['optimizer'], sched, ema or None)
+                       st['optimizer'], sched, ema or None, list(meta.get('checkpoints') or []))
 
 
 # what a plateau schedule counts between epochs (torch's ReduceLROnPlateau inside timm's PlateauLRScheduler), saved
@@ -205,16 +225,34 @@ def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> b
 
 
 def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, Any], state_meta: Dict[str, Any],
-               improved: bool, ema: Optional[torch.nn.Module] = None) -> None:
+               improved: bool, ema: Optional[torch.nn.Module] = None,
+               history: Optional[Tuple[List[int], List[int]]] = None) -> None:
     """An epoch's files: ``best.safetensors`` when it improved, ``last.safetensors``, ``state.safetensors`` (to
     resume from) and ``summary.csv`` (``state_meta['rows']``), each written atomically. With ``ema`` (``--model-ema``'s
-    averaged model), the weights files hold its weights, the ones evaluated, and the state holds both."""
+    averaged model), the weights files hold its weights, the ones evaluated, and the state holds both.
+
+    ``history``: ``--checkpoint-hist``'s epochs to keep and to remove (:func:`checkpoint_history`). The epoch's
+    ``checkpoint-<epoch>.safetensors`` (last's content) is written when kept, else a file of that name (left by a
+    run stopped while saving this epoch) is removed; the displaced epochs' files go before the state that no
+    longer lists them is written, so a run stopped at any point resumes to the same files."""
     from ..checkpoint import atomic_write_text, save_state, save_weights
     sd = model.state_dict()
     weights = ema.state_dict() if ema is not None else sd
     if improved:
         save_weights(os.path.join(out_dir, 'best.safetensors'), weights, meta)
     save_weights(os.path.join(out_dir, 'last.safetensors'), weights, meta)
+    if history is not None:
+        keep, drop = history
+        own = os.path.join(out_dir, CHECKPOINT_NAME.format(meta['epoch']))
+        if meta['epoch'] in keep:
+            save_weights(own, weights, meta)
+        elif os.path.isfile(own):
+            os.remove(own)
+        for e in drop:
+            path = os.path.join(out_dir, CHECKPOINT_NAME.format(e))
+            if os.path.isfile(path):
+                os.remove(path)
+        state_meta = dict(state_meta, checkpoints=list(keep))
     extra = {EMA_PREFIX + k: v for k, v in weights.items()} if ema is not None else None
     save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer, state_meta, extra)
     atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(state_meta['rows']))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -17,8 +17,8 @@ from .errors import ConfigError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
-from .records import (ResumePoint, load_resume, load_scheduler_state, resume_settings, save_epoch, scheduler_state,
-                      weights_meta, write_args, write_start)
+from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, load_resume, load_scheduler_state,
+                      resume_settings, save_epoch, scheduler_state, weights_meta, write_args, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -258,7 +258,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
                      f'epochs, batch {cfg.batch_size} x {rt.world_size}{accum}, lr {cfg.lr:g}, output {out_dir}')
         writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
                               weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper,
-                              args_pending=args_pending)
+                              args_pending=args_pending, checkpoints=list(start.checkpoints))
         rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, per_epoch, writer, on_step)
         test = None
         if loaders.test is not None:  # the test split, once: the final weights first
@@ -386,17 +386,25 @@ class _EpochWriter:
     settings: Dict[str, Any]
     stepper: Stepper
     args_pending: bool = False  # a resume's args.yaml, written with its first saved epoch
+    checkpoints: List[int] = field(default_factory=list)  # --checkpoint-hist: the epochs whose files are kept
 
     def __call__(self, epoch: int, row: Dict[str, Any], improved: bool, rows: List[Dict[str, Any]],
                  best: Dict[str, Any]) -> None:
         if not self.rt.primary:
             return
         cfg = self.cfg
+        history = None
+        if cfg.checkpoint_hist:
+            history = checkpoint_history(rows, self.checkpoints, epoch, cfg.checkpoint_hist, cfg.eval_metric,
+                                         lambda e: os.path.isfile(os.path.join(self.out_dir,
+                                                                               CHECKPOINT_NAME.format(e))))
         save_epoch(self.out_dir, self.model, self.optimizer, dict(self.meta, epoch=epoch, metrics=row),
                    {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
                     'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings,
                     'scheduler': scheduler_state(self.stepper.scheduler)}, improved,
-                   self.stepper.ema.module if self.stepper.ema is not None else None)
+                   self.stepper.ema.module if self.stepper.ema is not None else None, history)
+        if history is not None:
+            self.checkpoints = history[0]
         if self.args_pending:
             write_args(self.out_dir, cfg)
             self.args_pending = False

@@ -1,0 +1,187 @@
+"""``--checkpoint-hist N``: the N best epochs' weights kept as ``checkpoint-<epoch>.safetensors``, ranked as timm's
+``CheckpointSaver`` ranks them, and the same files after a run stopped at any point of saving an epoch."""
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import timm_patchmix  # noqa: F401
+from timm_patchmix import checkpoint as ckpt_io
+from timm_patchmix.checkpoint import CheckpointError, load_weights
+from timm_patchmix.engine import TrainConfig, train
+from timm_patchmix.engine.records import CHECKPOINT_NAME, checkpoint_history
+from timm_patchmix.settings import SettingsChangedError
+from timm_patchmix.train import parse_config
+
+from test_cli_errors import expect_usage_error
+
+
+def _ours(scores, n, metric):
+    """The history after each epoch of ``scores``, epoch by epoch as a run keeps it; checks what each step drops."""
+    rows = [{'eval_' + metric: s} for s in scores]
+    kept = []
+    for epoch in range(len(scores)):
+        new, drop = checkpoint_history(rows[:epoch + 1], kept, epoch, n, metric)
+        assert sorted(new + drop) == sorted(set(kept) | ({epoch} if epoch in new else set()))
+        kept = new
+    return kept
+
+
+def _timms(folder, scores, n, decreasing):
+    """timm's CheckpointSaver over the same scores: its history, best first, as epochs."""
+    from timm.utils import CheckpointSaver
+    model = torch.nn.Linear(2, 2)
+    saver = CheckpointSaver(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=str(folder),
+                            max_history=n, decreasing=decreasing)
+    for epoch, score in enumerate(scores):
+        saver.save_checkpoint(epoch, score)
+    files = sorted(f for f in os.listdir(folder) if f.startswith('checkpoint-'))
+    epochs = [int(os.path.basename(f)[len('checkpoint-'):-len('.pth.tar')]) for f, _ in saver.checkpoint_files]
+    assert sorted(files) == sorted(f'checkpoint-{e}.pth.tar' for e in epochs)
+    return epochs
+
+
+@pytest.mark.parametrize('metric', ['top1', 'loss'])
+@pytest.mark.parametrize('n', [1, 2, 3, 10])
+def test_history_ranks_as_timms_checkpoint_saver(tmp_path, metric, n):
+    rng = random.Random(n)
+    for trial in range(15):
+        # few distinct scores: many ties, which keep the earlier epoch
+        scores = [rng.choice([10.0, 20.0, 30.0, 40.0]) for _ in range(rng.randint(1, 14))]
+        folder = tmp_path / str(trial)
+        folder.mkdir()
+        assert _ours(scores, n, metric) == _timms(folder, scores, n, decreasing=metric == 'loss'), scores
+
+
+def test_history_by_hand():
+    rows = [{'eval_top1': s} for s in (50.0, 60.0, 50.0, 40.0, 70.0)]
+    assert checkpoint_history(rows, [], 0, 0, 'top1') == ([], [])  # off
+    assert checkpoint_history(rows[:3], [1, 0], 2, 2, 'top1') == ([1, 0], [])  # 50 ties epoch 0: not better
+    assert checkpoint_history(rows[:3], [1], 2, 2, 'top1') == ([1, 2], [])  # room left
+    assert checkpoint_history(rows, [1, 0], 4, 2, 'top1') == ([4, 1], [0])  # 70 displaces the worst
+    assert checkpoint_history(rows, [1, 0], 4, 2, 'top1', exists=lambda e: e != 1) == ([4, 0], [])  # 1 is gone
+    loss = [{'eval_loss': s} for s in (2.0, 1.0, 3.0)]
+    assert checkpoint_history(loss, [1, 0], 2, 2, 'loss') == ([1, 0], [])  # a higher loss ranks last
+    assert checkpoint_history(loss, [1, 0], 2, 3, 'loss') == ([1, 0, 2], [])
+
+
+TINY = dict(model='resnet8_cifar', train_subset=64, val_subset=40, batch_size=16, workers=0, no_progress=True,
+            device='cpu', epochs=5, checkpoint_hist=2)
+
+
+def _files(folder):
+    return sorted(f for f in os.listdir(folder) if f.startswith('checkpoint-'))
+
+
+def _rows(folder):
+    import csv
+    with open(os.path.join(folder, 'summary.csv')) as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _same_tensors(a, b):
+    a, b = load_file(a), load_file(b)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+    out = train(TrainConfig(output=str(tmp_path_factory.mktemp('hist')), experiment='full', **TINY)).output
+    return out
+
+
+def test_a_run_keeps_the_best_epochs_as_summary_csv_ranks_them(uninterrupted):
+    rows = _rows(uninterrupted)
+    assert len(rows) == 5
+    ranked = sorted(range(5), key=lambda e: (-rows[e]['eval_top1'], e))[:2]
+    assert _files(uninterrupted) == sorted(CHECKPOINT_NAME.format(e) for e in ranked)
+    for e in ranked:
+        path = os.path.join(uninterrupted, CHECKPOINT_NAME.format(e))
+        _, meta = load_weights(path)  # weights files like best and last: the epoch and its row in the metadata
+        assert meta['epoch'] == e and meta['metrics']['eval_top1'] == rows[e]['eval_top1']
+    # the best epoch's file is best.safetensors (top1 on 40 images is exact, so no rounding can reorder them)
+    assert _same_tensors(os.path.join(uninterrupted, CHECKPOINT_NAME.format(ranked[0])),
+                         os.path.join(uninterrupted, 'best.safetensors'))
+    if 4 in ranked:
+        assert _same_tensors(os.path.join(uninterrupted, CHECKPOINT_NAME.format(4)),
+                             os.path.join(uninterrupted, 'last.safetensors'))
+    state = ckpt_io.load_state(os.path.join(uninterrupted, 'state.safetensors'))
+    assert state['meta']['checkpoints'] == ranked
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize('where', ['before_removal', 'before_state'])
+def test_a_run_stopped_while_saving_resumes_to_the_same_files(uninterrupted, tmp_path, monkeypatch, where):
+    """Stopped while saving epoch 3: after its checkpoint file is written but before a displaced one is removed,
+    or after the removal but before the state that no longer lists it; the resumed run ends with the uninterrupted
+    run's files, tensor for tensor."""
+    rows = _rows(uninterrupted)
+    displaced = set(sorted(range(3), key=lambda e: (-rows[e]['eval_top1'], e))[:2]) - set(
+        sorted(range(4), key=lambda e: (-rows[e]['eval_top1'], e))[:2])
+    if where == 'before_removal' and not displaced:
+        pytest.skip('epoch 3 displaced no kept epoch in this run')
+    real_remove, real_save_state = os.remove, ckpt_io.save_state
+    saved = []
+
+    def remove(path, *a, **k):
+        if os.path.basename(path).startswith('checkpoint-') and len(saved) == 3:  # while saving epoch 3
+            raise _Stop(path)
+        return real_remove(path, *a, **k)
+
+    def save_state(path, model_state, optimizer, meta, *a, **k):
+        if where == 'before_state' and meta['epoch'] == 3:
+            raise _Stop(path)
+        real_save_state(path, model_state, optimizer, meta, *a, **k)
+        saved.append(meta['epoch'])
+
+    monkeypatch.setattr(os, 'remove', remove)
+    monkeypatch.setattr(ckpt_io, 'save_state', save_state)
+    cfg = TrainConfig(output=str(tmp_path), experiment='stopped', **TINY)
+    with pytest.raises(_Stop):
+        train(cfg)
+    monkeypatch.undo()
+    out = os.path.join(tmp_path, 'stopped')
+    assert [int(r['epoch']) for r in _rows(out)] == [0, 1, 2] and saved == [0, 1, 2]
+    assert CHECKPOINT_NAME.format(3) in _files(out) or where == 'before_state'
+    train(TrainConfig(output=str(tmp_path), experiment='stopped', resume=os.path.join(out, 'state.safetensors'),
+                      **TINY))
+    assert _files(out) == _files(uninterrupted)
+    for name in _files(out) + ['best.safetensors', 'last.safetensors']:
+        assert _same_tensors(os.path.join(out, name), os.path.join(uninterrupted, name)), name
+
+
+def test_without_the_flag_no_file_of_that_name_is_touched(tmp_path):
+    folder = tmp_path / 'plain'
+    folder.mkdir()
+    other = folder / CHECKPOINT_NAME.format(0)  # another run's, say
+    other.write_bytes(b'kept as it is')
+    train(TrainConfig(output=str(tmp_path), experiment='plain', **dict(TINY, epochs=1, checkpoint_hist=0)))
+    assert other.read_bytes() == b'kept as it is' and _files(folder) == [CHECKPOINT_NAME.format(0)]
+
+
+def test_a_resume_keeps_the_history_length(uninterrupted, capsys):
+    # a smaller N would remove files of the history: the resume names the difference instead
+    state = os.path.join(uninterrupted, 'state.safetensors')
+    with pytest.raises(SettingsChangedError, match='--checkpoint-hist'):
+        train(TrainConfig(output=os.path.dirname(uninterrupted), resume=state,
+                          **dict(TINY, checkpoint_hist=1, epochs=6)))
+    assert len(_rows(uninterrupted)) == 5, 'nothing trained'
+    expect_usage_error(capsys, parse_config, ['--checkpoint-hist', '-1'], '-1', flag='--checkpoint-hist')
+
+
+def test_a_state_with_a_bad_history_is_refused(uninterrupted, tmp_path):
+    from timm_patchmix.checkpoint import load_state
+    st = load_state(os.path.join(uninterrupted, 'state.safetensors'))
+    for bad, message in (([7], r'checkpoints\[0\] must be an integer'), ([1, 1], 'distinct epochs'),
+                         ('1', 'checkpoints must be a list')):
+        path = str(tmp_path / 'bad.safetensors')
+        meta = {k: v for k, v in st['meta'].items() if k not in ('optimizer', 'rng', 'kind')}
+        meta['checkpoints'] = bad
+        ckpt_io.save_state(path, st['model'], None, meta)
+        with pytest.raises(CheckpointError, match=message):
+            ckpt_io.load_state(path)
