@@ -175,7 +175,7 @@ def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp
     shutil.copytree(root / 'mixup', old_root / 'mixup')
     path = str(old_root / 'mixup' / 'state.safetensors')
     new = RESUME_SETTINGS[RESUME_SETTINGS.index('no_aug'):]
-    assert new[-1] == 'checkpoint_hist' and 'train_interpolation' in new and 'bce_pos_weight' in new
+    assert new[-1] == 'aug_repeats' and 'train_interpolation' in new and 'checkpoint_hist' in new
 
     def older(meta, tensors):
         for key in new:

@@ -68,6 +68,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     # training augmentation
     'scale': float_range(0.0, 1.0, lo_open=True, name='area_fraction'), 'ratio': positive_float, 'hflip': probability,
     'vflip': probability, 'color_jitter': nonneg_float, 'reprob': probability, 'recount': positive_int,
+    'aug_repeats': nonneg_float,
     # optimizer and schedule
     'batch_size': positive_int, 'validation_batch_size': positive_int, 'grad_accum_steps': positive_int,
     'opt_eps': nonneg_float,
@@ -240,6 +241,7 @@ class TrainConfig:
     remode: str = Augment.remode
     recount: int = Augment.recount
     train_interpolation: Optional[str] = Augment.train_interpolation
+    aug_repeats: float = 0.0  # timm's RepeatAugSampler: each image this many times an epoch (0: off)
     # optimizer and schedule
     batch_size: Optional[int] = None
     validation_batch_size: Optional[int] = None
@@ -432,6 +434,9 @@ class TrainConfig:
                 raise ConfigError(f'MIN {value[0]:g} is above MAX {value[1]:g}', _flag(name))
         if self.aa is not None:
             _check_policy(self.aa)
+        if 0 < self.aug_repeats < 1:
+            raise ConfigError(f'takes 0 (off) or a number of repeats of at least 1, got {self.aug_repeats:g}',
+                              '--aug-repeats')
         given = self.augment_flags()
         if self.no_aug and given:
             raise ConfigError(f'--no-aug switches training augmentation off; {" and ".join(given)} would be unused. '

@@ -238,10 +238,38 @@ def build_loaders(cfg: TrainConfig, data: Datasets, rt: Runtime) -> Loaders:
     return Loaders(train, val, sampler, generator, mixer, collate, test)
 
 
-def _train_sampler(cfg: TrainConfig, data: Datasets, rt: Runtime) -> torch.utils.data.DistributedSampler:
-    """This process's share of the training images, reshuffled per epoch, whole batches only."""
+def _train_sampler(cfg: TrainConfig, data: Datasets, rt: Runtime) -> torch.utils.data.Sampler:
+    """This process's share of the training images, reshuffled per epoch from ``--seed`` and the epoch (the loader
+    keeps whole batches only); with ``--aug-repeats``, timm's repeated-augmentation sampler
+    (:class:`SeededRepeatAugSampler`)."""
+    if cfg.aug_repeats:
+        return SeededRepeatAugSampler(data.train, rt.world_size, rt.rank, cfg.aug_repeats, cfg.seed)
     return torch.utils.data.DistributedSampler(data.train, num_replicas=rt.world_size, rank=rt.rank, shuffle=True,
                                                seed=cfg.seed, drop_last=True)
+
+
+class SeededRepeatAugSampler(torch.utils.data.Sampler):
+    """timm's ``RepeatAugSampler`` (DeiT's repeated augmentation: each image ``num_repeats`` times in a row of the
+    shuffled order, the copies dealt to the processes in turn, an epoch of about the dataset's length), with its
+    shuffle drawn from ``seed + epoch`` as ``DistributedSampler``'s is, where timm's draws from the epoch alone:
+    runs of other seeds see other orders. With ``seed`` 0 it gives timm's indices (through timm's sampler and its
+    public ``set_epoch``)."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, num_repeats: float, seed: int):
+        from timm.data.distributed_sampler import RepeatAugSampler
+        self.sampler = RepeatAugSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
+                                        num_repeats=num_repeats)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(self.seed + epoch)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 def _non_empty(train, cfg: TrainConfig, data: Datasets):
