@@ -12,7 +12,6 @@ from timm_patchmix import checkpoint as ckpt_io
 from timm_patchmix.checkpoint import CheckpointError, load_weights
 from timm_patchmix.engine import TrainConfig, train
 from timm_patchmix.engine.records import CHECKPOINT_NAME, checkpoint_history
-from timm_patchmix.settings import SettingsChangedError
 from timm_patchmix.train import parse_config
 
 from test_cli_errors import expect_usage_error
@@ -164,13 +163,27 @@ def test_without_the_flag_no_file_of_that_name_is_touched(tmp_path):
     assert other.read_bytes() == b'kept as it is' and _files(folder) == [CHECKPOINT_NAME.format(0)]
 
 
-def test_a_resume_keeps_the_history_length(uninterrupted, capsys):
-    # a smaller N would remove files of the history: the resume names the difference instead
-    state = os.path.join(uninterrupted, 'state.safetensors')
-    with pytest.raises(SettingsChangedError, match='--checkpoint-hist'):
-        train(TrainConfig(output=os.path.dirname(uninterrupted), resume=state,
-                          **dict(TINY, checkpoint_hist=1, epochs=6)))
-    assert len(_rows(uninterrupted)) == 5, 'nothing trained'
+def test_a_resume_may_change_the_history_length(uninterrupted, tmp_path):
+    """Without the flag a resume touches no file of the history and carries its list on; with a smaller N the next
+    saved epoch keeps the N best of the kept epochs and itself, and removes the rest."""
+    import shutil
+    from timm_patchmix.checkpoint import load_state
+    folder = tmp_path / 'full'
+    shutil.copytree(uninterrupted, folder)
+    state = str(folder / 'state.safetensors')
+    kept = load_state(state)['meta']['checkpoints']
+    before = {f: (folder / f).read_bytes() for f in _files(folder)}
+    train(TrainConfig(output=str(tmp_path), resume=state, **dict(TINY, checkpoint_hist=0, epochs=6)))
+    assert {f: (folder / f).read_bytes() for f in _files(folder)} == before
+    assert load_state(state)['meta']['checkpoints'] == kept and len(_rows(folder)) == 6
+    train(TrainConfig(output=str(tmp_path), resume=state, **dict(TINY, checkpoint_hist=1, epochs=7)))
+    rows = _rows(folder)
+    best = sorted(kept + [6], key=lambda e: (-rows[e]['eval_top1'], e))[0]  # epoch 5 ran without a history
+    assert _files(folder) == [CHECKPOINT_NAME.format(best)]
+    assert load_state(state)['meta']['checkpoints'] == [best]
+
+
+def test_a_negative_length_is_a_usage_error(capsys):
     expect_usage_error(capsys, parse_config, ['--checkpoint-hist', '-1'], '-1', flag='--checkpoint-hist')
 
 

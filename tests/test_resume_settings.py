@@ -167,7 +167,7 @@ def test_train_resume_of_an_older_state_takes_a_new_setting_as_its_default(train
 
 
 def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp_path):
-    """A state without the augmentation, model, BCE and history settings trained with their defaults (a 32 px input: the
+    """A state without the augmentation, model and BCE settings trained with their defaults (a 32 px input: the
     CIFAR-style transform, which --train-interpolation never reached): its own flags resume it, a new one is named."""
     from timm_patchmix.engine.records import RESUME_SETTINGS
     root, runs = trained
@@ -175,7 +175,7 @@ def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp
     shutil.copytree(root / 'mixup', old_root / 'mixup')
     path = str(old_root / 'mixup' / 'state.safetensors')
     new = RESUME_SETTINGS[RESUME_SETTINGS.index('no_aug'):]
-    assert new[-1] == 'aug_repeats' and 'train_interpolation' in new and 'checkpoint_hist' in new
+    assert new[-1] == 'aug_repeats' and 'train_interpolation' in new and 'bce_pos_weight' in new
 
     def older(meta, tensors):
         for key in new:

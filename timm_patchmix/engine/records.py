@@ -21,8 +21,8 @@ __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
 # settings its saved state brings back (loading an optimizer's state restores its weight decay, momentum, betas and
-# eps, whatever the flags say), and --checkpoint-hist (a smaller one would remove the history's files). The
-# schedule, --epochs, --lr..., may change on a resume; --model and the class count come from the state's args.
+# eps, whatever the flags say). The schedule, --epochs, --lr..., --checkpoint-hist may change on a resume; --model
+# and the class count come from the state's args.
 RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'opt_kwargs', 'layer_decay',
                    'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'mean', 'std', 'crop_pct',
                    'interpolation', 'model_kwargs', 'train_subset',
@@ -33,7 +33,7 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema', 'no_aug',
                    'scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob', 'remode', 'recount',
                    'train_interpolation', 'gp', 'bn_momentum', 'bn_eps', 'bce_loss', 'bce_sum', 'bce_target_thresh',
-                   'bce_pos_weight', 'checkpoint_hist', 'aug_repeats')
+                   'bce_pos_weight', 'aug_repeats')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
@@ -234,7 +234,9 @@ def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, 
     ``history``: ``--checkpoint-hist``'s epochs to keep and to remove (:func:`checkpoint_history`). The epoch's
     ``checkpoint-<epoch>.safetensors`` (last's content) is written when kept, else a file of that name (left by a
     run stopped while saving this epoch) is removed; the displaced epochs' files go before the state that no
-    longer lists them is written, so a run stopped at any point resumes to the same files."""
+    longer lists them is written, so a run stopped at any point resumes to the same files. Without it, the
+    state lists ``state_meta['checkpoints']`` as given (a resume without ``--checkpoint-hist`` carries the kept
+    epochs on, touching none of their files)."""
     from ..checkpoint import atomic_write_text, save_state, save_weights
     sd = model.state_dict()
     weights = ema.state_dict() if ema is not None else sd

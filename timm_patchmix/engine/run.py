@@ -401,7 +401,7 @@ class _EpochWriter:
         save_epoch(self.out_dir, self.model, self.optimizer, dict(self.meta, epoch=epoch, metrics=row),
                    {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
                     'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings,
-                    'scheduler': scheduler_state(self.stepper.scheduler)}, improved,
+                    'scheduler': scheduler_state(self.stepper.scheduler), 'checkpoints': self.checkpoints}, improved,
                    self.stepper.ema.module if self.stepper.ema is not None else None, history)
         if history is not None:
             self.checkpoints = history[0]
