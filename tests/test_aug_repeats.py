@@ -60,7 +60,7 @@ def _first_batch(argv):
     return next(iter(loaders.train))
 
 
-@pytest.mark.parametrize('extra', [[], ['--no-prefetcher']])
+@pytest.mark.parametrize('extra', [[], ['--no-prefetcher'], ['-j', '2']], ids=['prefetcher', 'tensors', 'workers'])
 def test_each_copy_is_augmented_on_its_own(extra):
     images, targets = _first_batch(['--aug-repeats', '3'] + extra)
     assert images.shape[0] == 12
