@@ -212,19 +212,20 @@ def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
 
 
 @pytest.mark.parametrize('extra, flag, names', [
-    # a key of --model-kwargs that a flag given beside it sets: timm's train.py passes both and create_model refuses
-    (['--drop', '0.1', '--model-kwargs', 'drop_rate=0.2'], '--model-kwargs', ['drop_rate is set by --drop']),
+    # a key of --model-kwargs that a flag given beside it sets to another value (timm's create_model refuses both)
+    (['--drop', '0.1', '--model-kwargs', 'drop_rate=0.2'], '--model-kwargs', ['drop_rate=0.2 differs from --drop 0.1']),
     (['--drop-path', '0.1', '--model-kwargs', 'drop_path_rate=0.2'], '--model-kwargs',
-     ['drop_path_rate is set by --drop-path']),
+     ['drop_path_rate=0.2 differs from --drop-path 0.1']),
     (['--model', 'patchhead_resnet8_cifar', '--patchmix-grid', '2', '--model-kwargs', 'grid=4'], '--model-kwargs',
-     ['grid is set by --patchmix-grid']),
+     ['grid=4 differs from --patchmix-grid 2 2']),
     (['--model', 'patchhead_resnet8_cifar', '--per-position-head', '--model-kwargs', 'per_position=False'],
-     '--model-kwargs', ['per_position is set by --per-position-head']),
+     '--model-kwargs', ['per_position=False differs from --per-position-head,']),
     (['--drop-block', '0.1', '--model-kwargs', 'drop_block_rate=0.2'], '--model-kwargs',
-     ['drop_block_rate is set by --drop-block']),
-    # the data's channels follow --in-chans/--input-size: in_chans in --model-kwargs alone gave a 1-channel stem
-    # 3-channel images (a RuntimeError at the first forward)
-    (['--model-kwargs', 'in_chans=1'], '--model-kwargs', ['in_chans is set by --in-chans', 'give --in-chans 1']),
+     ['drop_block_rate=0.2 differs from --drop-block 0.1']),
+    # the data's channels follow --in-chans/--input-size: in_chans=1 in --model-kwargs alone gave a 1-channel
+    # stem 3-channel images (a RuntimeError at the first forward)
+    (['--model-kwargs', 'in_chans=1'], '--model-kwargs',
+     ['in_chans=1 differs from the 3 channels', 'give --in-chans 1']),
     (['--in-chans', '1', '--input-size', '3', '32', '32'], '--in-chans',
      ['--in-chans 1 and --input-size 3 32 32 name different channel counts']),
     # a builder's assertion without a message (timm's ResNet: assert output_stride in (8, 16, 32))
@@ -247,6 +248,24 @@ def test_model_kwargs_without_the_flag_still_reach_the_model():
     assert model.drop_rate == 0.2 and kwargs['drop_rate'] == 0.2
     model, kwargs = build_model(TrainConfig(model='patchhead_resnet8_cifar', model_kwargs={'grid': 2}), 10)
     assert tuple(model.grid) == (2, 2) and kwargs['grid'] == 2
+
+
+def test_the_same_value_in_both_places_is_one_setting(tmp_path):
+    # equal values are the same run; among them a run's args.yaml, whose grid is the --model-kwargs grid it came
+    # from, rerun with -c
+    from timm_patchmix.engine import TrainConfig, train as run
+    from timm_patchmix.train import parse_config
+    for argv in (['--drop', '0.2', '--model-kwargs', 'drop_rate=0.2'], ['--patchmix-grid', '2', '--model-kwargs',
+                 'grid=(2, 2)'], ['--input-size', '1', '32', '32', '--model-kwargs', 'in_chans=1'],
+                 ['--in-chans', '1', '--model-kwargs', 'in_chans=1'], ['--model-kwargs', 'in_chans=3'],
+                 ['--per-position-head', '--model-kwargs', 'per_position=True'], ['--gp', 'max', '--model-kwargs',
+                 'global_pool=max']):
+        parse_config(argv)
+    res = run(TrainConfig(model='patchhead_resnet8_cifar', patchmix=True, model_kwargs={'grid': 2}, epochs=1,
+                          output=str(tmp_path), experiment='kw', train_subset=32, val_subset=16, batch_size=16,
+                          workers=0, no_progress=True, device='cpu'))
+    cfg = parse_config(['-c', os.path.join(res.output, 'args.yaml'), '--seed', '1'])
+    assert cfg.grid == (2, 2) and cfg.model_kwargs == {'grid': 2} and cfg.seed == 1
 
 
 def test_input_size_channels_build_the_model_as_timm_does(tmp_path):

@@ -461,7 +461,7 @@ def test_checkpoints_record_only_a_positive_bn_eps():
     (['--model', 'resnet8_cifar', '--gp', 'bogus'], '--gp', "has no global pooling 'bogus'"),
     (['--model', 'resnet8_cifar', '--gp', ''], '--gp', "with the global pooling '' gives no logits of 10 classes"),
     (['--model', 'resnet8_cifar', '--gp', 'max', '--model-kwargs', 'global_pool=avg'], '--model-kwargs',
-     'global_pool is set by --gp'),
+     'global_pool=.avg. differs from --gp max'),
 ])
 def test_model_flags_a_model_cannot_take_are_usage_errors(argv, flag, message):
     with pytest.raises(ConfigError, match=message) as e:

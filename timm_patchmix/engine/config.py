@@ -109,6 +109,15 @@ KWARG_FLAGS = {'drop_path_rate': '--drop-path', 'drop_rate': '--drop', 'in_chans
                'bn_momentum': '--bn-momentum', 'bn_eps': '--bn-eps'}
 
 
+def _shown(value: Any) -> str:
+    """A flag's value as typed: ``2 2`` for a grid, ``0.1``, ``avg``; a switch as itself (empty)."""
+    if value is True:
+        return ''
+    if isinstance(value, tuple):
+        return ' '.join(map(str, value))
+    return f'{value:g}' if isinstance(value, float) else str(value)
+
+
 def _flag(name: str) -> str:
     return '--patchmix-grid' if name == 'grid' else '--' + name.replace('_', '-')
 
@@ -455,27 +464,38 @@ class TrainConfig:
                               f'Drop --device-data or {" and ".join(loader_only)}')
 
     def _check_model_kwargs(self) -> None:
-        """No key of ``--model-kwargs`` that a flag given beside it sets too (timm's train.py passes both, and
-        ``create_model`` refuses the second): the model would silently take one of them, the rest of the run
-        (the mixer's grid, the data's channels) perhaps the other. ``in_chans`` is refused there outright: the
-        data's channels follow ``--in-chans``, or else the first value of ``--input-size``, which timm's train.py
-        also builds the model with; the two flags must then agree."""
-        if 'in_chans' in self.model_kwargs:
-            raise ConfigError(f'in_chans is set by --in-chans (or the first value of --input-size), whose channel '
-                              f'count the data follows too; give --in-chans {self.model_kwargs["in_chans"]} instead',
-                              '--model-kwargs')
+        """No key of ``--model-kwargs`` that a flag given beside it sets to another value (timm's train.py passes
+        both, and ``create_model`` refuses the second): the model would silently take one of them, the rest of the
+        run (the mixer's grid, the data's channels) perhaps the other. The same value in both places is the same
+        run (a run's ``args.yaml`` holds its grid beside the ``--model-kwargs`` grid it came from). ``in_chans``
+        there must be the channels the data follows: ``--in-chans``, or else the first value of ``--input-size``
+        (which timm's train.py builds the model with too), or else 3; the two flags must then agree."""
         if self.in_chans is not None and self.input_size is not None and self.in_chans != self.input_size[0]:
             raise ConfigError(f'--in-chans {self.in_chans} and --input-size {" ".join(map(str, self.input_size))} '
                               f'name different channel counts; give one of them', '--in-chans')
-        given = {'drop_rate': self.drop != 0, 'drop_path_rate': self.drop_path is not None,
+        chans = self.in_chans if self.in_chans is not None else self.input_size[0] if self.input_size else 3
+        if 'in_chans' in self.model_kwargs and self.model_kwargs['in_chans'] != chans:
+            raise ConfigError(f'in_chans={self.model_kwargs["in_chans"]!r} differs from the {chans} channels the data '
+                              f'takes (--in-chans, or the first value of --input-size); give --in-chans '
+                              f'{self.model_kwargs["in_chans"]} instead', '--model-kwargs')
+        given = {'drop_rate': self.drop or None, 'drop_path_rate': self.drop_path,
                  # a resolved config's grid is the model's own (resolve), also where --model-kwargs set it
-                 'grid': self.grid is not None and not self.is_resolved, 'per_position': self.per_position_head,
-                 'drop_block_rate': self.drop_block is not None, 'global_pool': self.gp is not None,
-                 'bn_momentum': self.bn_momentum is not None, 'bn_eps': self.bn_eps is not None}
-        for key, on in given.items():
-            if on and key in self.model_kwargs:
-                raise ConfigError(f'{key} is set by {KWARG_FLAGS[key]}; give it there or in --model-kwargs, not in '
-                                  f'both', '--model-kwargs')
+                 'grid': None if self.is_resolved else self.grid, 'per_position': self.per_position_head or None,
+                 'drop_block_rate': self.drop_block, 'global_pool': self.gp, 'bn_momentum': self.bn_momentum,
+                 'bn_eps': self.bn_eps}
+        for key, value in given.items():
+            if value is None or key not in self.model_kwargs:
+                continue
+            other = self.model_kwargs[key]
+            if key == 'grid':
+                try:
+                    other = normal_grid(other)
+                except ConfigError:
+                    pass
+            if other != value:
+                flag = ' '.join(filter(None, (KWARG_FLAGS[key], _shown(value))))
+                raise ConfigError(f'{key}={self.model_kwargs[key]!r} differs from {flag}, which sets it too; give '
+                                  f'it in one place', '--model-kwargs')
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""

@@ -182,6 +182,8 @@ def model_kwargs_error(cfg: TrainConfig, error: TypeError) -> Optional[ConfigErr
         return ConfigError(f'model {cfg.model} does not take the keyword argument {key}={cfg.model_kwargs[key]!r} '
                            f'({error})', '--model-kwargs')
     flag = KWARG_FLAGS.get(key, '--model')
+    if key == 'in_chans' and cfg.in_chans is None:  # passed for --input-size's channels, as timm's train.py does
+        flag = '--input-size'
     return ConfigError(f'model {cfg.model} does not take {key!r}, which {flag} sets ({error})', flag)
 
 
