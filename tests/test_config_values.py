@@ -512,3 +512,17 @@ def test_train_py_prints_info_lines(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.startswith('Data processing configuration for current model + dataset:\n'), proc.stderr
     assert 'epoch 0:' in proc.stdout
+
+
+def test_channels_come_from_one_rule():
+    """The data's channels, which the model, the normalisation and the ``--model-kwargs`` check share: ``--in-chans``,
+    else the first value of ``--input-size``, else the model's own (None here)."""
+    assert TrainConfig().channels is None
+    assert TrainConfig(in_chans=1).channels == 1
+    assert TrainConfig(input_size=(1, 28, 28)).channels == 1
+    assert TrainConfig(in_chans=4, input_size=(4, 32, 32)).channels == 4
+    with pytest.raises(ConfigError, match=r'--in-chans 1 and --input-size 3 32 32 name different channel counts'):
+        TrainConfig(in_chans=1, input_size=(3, 32, 32))
+    with pytest.raises(ConfigError, match=r'in_chans=1 differs from the 3 channels'):
+        TrainConfig(model_kwargs={'in_chans': 1})
+    assert TrainConfig(input_size=(1, 28, 28), model_kwargs={'in_chans': 1}).channels == 1

@@ -473,7 +473,7 @@ class TrainConfig:
         if self.in_chans is not None and self.input_size is not None and self.in_chans != self.input_size[0]:
             raise ConfigError(f'--in-chans {self.in_chans} and --input-size {" ".join(map(str, self.input_size))} '
                               f'name different channel counts; give one of them', '--in-chans')
-        chans = self.in_chans if self.in_chans is not None else self.input_size[0] if self.input_size else 3
+        chans = self.channels if self.channels is not None else 3
         if 'in_chans' in self.model_kwargs and self.model_kwargs['in_chans'] != chans:
             raise ConfigError(f'in_chans={self.model_kwargs["in_chans"]!r} differs from the {chans} channels the data '
                               f'takes (--in-chans, or the first value of --input-size); give --in-chans '
@@ -512,6 +512,15 @@ class TrainConfig:
     def mixup_active(self) -> bool:
         """timm's Mixup/CutMix is on."""
         return self.mixup > 0 or self.cutmix > 0 or self.cutmix_minmax is not None
+
+    @property
+    def channels(self) -> Optional[int]:
+        """The channels of the data that the flags name: ``--in-chans``, or else the first value of
+        ``--input-size`` (which timm's train.py builds the model with too); ``None`` leaves them to the model's
+        data config. The model, the normalisation and the checks of ``--model-kwargs`` all take them from here."""
+        if self.in_chans is not None:
+            return self.in_chans
+        return self.input_size[0] if self.input_size is not None else None
 
     @property
     def prefetch(self) -> bool:

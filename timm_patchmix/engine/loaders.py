@@ -129,7 +129,7 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
     from timm.data import resolve_data_config
     flags = {'in_chans': cfg.in_chans, 'img_size': cfg.img_size, 'input_size': cfg.input_size}
     size = resolve_data_config(flags, model=model)['input_size']
-    chans = cfg.in_chans if cfg.in_chans is not None and cfg.input_size is None else size[0]
+    chans = cfg.channels if cfg.channels is not None else size[0]
     for name in ('mean', 'std'):
         value = getattr(cfg, name)
         if value is None:
@@ -147,8 +147,8 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
                           f'{" and ".join(unused)} would be unused', unused[0])
     flags.update({k: v for k, v in (('crop_pct', cfg.crop_pct), ('interpolation', cfg.interpolation)) if v})
     data_config = resolve_data_config(flags, model=model, verbose=verbose)
-    if cfg.in_chans is not None and cfg.input_size is None:  # the model cfg's input_size names 3 channels
-        data_config['input_size'] = (cfg.in_chans, *data_config['input_size'][1:])
+    if cfg.channels is not None:  # --in-chans alone: the model cfg's input_size names 3 channels
+        data_config['input_size'] = (cfg.channels, *data_config['input_size'][1:])
     return DataConfig.from_timm(data_config)
 
 

@@ -55,10 +55,8 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
         kwargs.setdefault('grid', cfg.grid or DEFAULT_GRID)  # a hub model without --patchmix-grid brings its own
         if cfg.per_position_head:
             kwargs['per_position'] = True
-    if cfg.in_chans is not None:
-        kwargs['in_chans'] = cfg.in_chans
-    elif cfg.input_size is not None:  # as timm's train.py: the channels of --input-size
-        kwargs['in_chans'] = cfg.input_size[0]
+    if cfg.channels is not None:  # --in-chans, or as timm's train.py the channels of --input-size
+        kwargs['in_chans'] = cfg.channels
     if cfg.drop_path is not None:
         kwargs['drop_path_rate'] = cfg.drop_path
     if cfg.drop:
