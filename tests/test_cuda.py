@@ -234,7 +234,7 @@ def test_eager_draw_where_no_graph_is_taken():
 @pytest.mark.parametrize('size', [32, 56])  # 56: a 14x14 map, so the area-weighted (matmul) pooling runs
 def test_patchhead_train_step_never_waits_for_the_host(size):
     """Mix, forward under bf16 autocast, PatchMixLoss and backward of a patchhead model: no host sync anywhere
-    (region weights are made on the device, the loss never reads the packed header)."""
+    (region weights are made on the device; the loss reads the packed header on the first step only)."""
     from timm_patchmix import PatchMixLoss
     m = timm.create_model('patchhead_resnet32_cifar', num_classes=10).cuda().train()
     m = m.to(memory_format=torch.channels_last)

@@ -1,4 +1,6 @@
 """GuidedPatchMix: guided samples follow the table, the requested fraction is met, train.py uses it."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -190,3 +192,66 @@ def test_guided_partners_by_the_rules_and_uniform():
     for _ in range(20):
         params, guided, extra = mixer.sample(y2, generator=gen)
         assert params.partner.tolist() == [1, 0] and guided.all() and extra == []
+
+
+def _pair_table(**kw):
+    return MaskTable((1, 2), 2, [], 'fp', [(0, 1)], [np.array([[1, 0]], bool)], [0.0], 0.0, **kw)
+
+
+@pytest.mark.parametrize('first,second', [
+    (torch.full((1, 1, 4, 4), 7.0), torch.full((2, 1, 4, 4), 3, dtype=torch.uint8)),   # another dtype
+    (torch.full((1, 1, 4, 4), 7.0), torch.full((2, 1, 4, 4), 3.0, dtype=torch.bfloat16)),
+    (torch.full((1, 1, 8, 8), 7.0), torch.full((2, 1, 6, 6), 3.0)),                      # another size
+])
+def test_remembered_images_of_another_dtype_or_size_are_no_partners(first, second):
+    """The class memory holds a class-1 image from a batch of one dtype or size; a batch of class-0 images of
+    another dtype or size finds no class-1 partner (the memory counts as empty), so it stays clean, and the
+    memory then holds that batch's images."""
+    gm = GuidedPatchMix(_pair_table(), guided_prob=1.0, random_prob=0.0)
+    gm(first.clone(), torch.tensor([1]))
+    assert gm.memory.has(1)
+    out, packed = gm(second.clone(), torch.tensor([0, 0]))
+    assert torch.equal(out, second) and gm.last_counts == {'guided': 0, 'clean': 2, 'random': 0}
+    image_t, _ = split_target(packed)
+    assert torch.equal(image_t, torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    assert not gm.memory.has(1) and gm.memory.has(0) and gm.memory.images.dtype == second.dtype
+    # the next class-1 batch of the new kind does find its partner in memory: a 3 from the remembered class 0
+    out, _ = gm(torch.full((1, *second.shape[1:]), 9, dtype=second.dtype), torch.tensor([1]))
+    assert gm.last_counts['guided'] == 1 and set(out.flatten().tolist()) == {3.0, 9.0}
+
+
+def test_bad_labels_leave_a_memory_of_another_kind_as_it_was():
+    gm = GuidedPatchMix(_pair_table(), guided_prob=1.0, random_prob=0.0)
+    gm(torch.full((1, 1, 4, 4), 7.0), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r'target labels must lie in \[0, 2\)'):
+        gm(torch.full((1, 1, 6, 6), 3.0), torch.tensor([5]))
+    assert gm.memory.has(1) and gm.memory.images.shape[2:] == (1, 4, 4)
+
+
+def test_a_table_built_in_python_is_checked_as_a_loaded_one(tmp_path):
+    """A ``MaskTable`` made in Python gets the checks of :meth:`MaskTable.load` (errors name the field);
+    numpy and torch values become plain ones; a path-like names a file."""
+    bad = [(dict(pairs=[(0, 5)]), r'mask table: pairs\[0\]\.classes\[1\] must be an integer in \[0, 1\], got 5'),
+           (dict(masks=[np.ones((1, 3), bool)]), r'pairs\[0\]\.mask\[0\] must be a list of 2'),
+           (dict(masks=[np.ones((2, 2), bool)]), r'pairs\[0\]\.mask must be a list of 1'),
+           (dict(scores=[]), r'pairs, masks and scores must be lists of one length'),
+           (dict(grid=(0, 2)), r'grid must be \[rows, cols\] with positive integers'),
+           (dict(pairs=[(0, 1), (1, 0)], masks=[np.ones((1, 2), bool)] * 2, scores=[0.0, 0.0]),
+            r'pairs\[1\] repeats the class pair of pairs\[0\]'),
+           (dict(search_args={'x': object()}), r'not a number, string, list or array')]
+    for change, message in bad:
+        fields = dict(grid=(1, 2), num_classes=2, class_names=[], fingerprint='fp', pairs=[(0, 1)],
+                      masks=[np.array([[1, 0]], bool)], scores=[0.0], best_fitness=0.0)
+        fields.update(change)
+        with pytest.raises(MaskTableError, match=message):
+            GuidedPatchMix(MaskTable(**fields))
+    with pytest.raises(ValueError, match='table must be a MaskTable or the path of a mask table file, got dict'):
+        GuidedPatchMix({'pairs': []})
+    table = MaskTable((1, 2), 2, ['a', 'b'], 'fp', [(np.int64(0), np.int64(1))], [torch.tensor([[True, False]])],
+                      [float('nan')], float('nan'))
+    gm = GuidedPatchMix(table)
+    assert gm.table.pairs == [(0, 1)] and type(gm.table.pairs[0][0]) is int
+    assert np.array_equal(gm.table.masks[0], [[True, False]]) and math.isnan(gm.table.scores[0])
+    path = tmp_path / 'masks.json'
+    _pair_table().save(str(path))
+    assert GuidedPatchMix(path).table.to_json() == GuidedPatchMix(str(path)).table.to_json() == _pair_table().to_json()

@@ -1,11 +1,12 @@
 """PatchMixLoss against hand-computed values."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from timm_patchmix import PatchMix, PatchMixLoss, PatchMixParams
+from timm_patchmix import PatchMix, PatchMixLoss, PatchMixParams, split_target
 
 
 def log_softmax(v):
@@ -161,3 +162,30 @@ def test_bad_patch_weight_is_refused_by_name(weight):
     """A weight that would make every loss NaN (or negative, or not a number) is refused when the loss is made."""
     with pytest.raises(ValueError, match='patch_weight must be a finite number >= 0'):
         PatchMixLoss(patch_weight=weight)
+
+
+def test_a_packed_target_of_another_grid_and_class_count_but_the_same_width_is_refused():
+    """3 + 2C + cells: a 2x3 grid of 7 classes packs as wide as 4 cells of 8 classes. The header says which; the
+    loss reads it and names both layouts instead of misreading the columns."""
+    mixer = PatchMix(grid=(2, 3), num_classes=7)
+    _, packed = mixer(torch.rand(4, 3, 8, 9), torch.randint(0, 7, (4,)))
+    assert packed.shape[1] == 3 + 2 * 8 + 4
+    with pytest.raises(ValueError, match=r'packed target was built for a 2x3 grid \(6 cells\) and 7 classes, but '
+                                         r'the model gives 4 patch logits of 8 classes'):
+        PatchMixLoss()((torch.randn(4, 8), torch.randn(4, 4, 8)), packed)
+    logits, patch = torch.randn(4, 7), torch.randn(4, 6, 7)
+    image_t, patch_t = split_target(packed)
+    expected = (F.cross_entropy(logits, image_t) + F.cross_entropy(patch.flatten(0, 1), patch_t.flatten(0, 1))) / 2
+    assert torch.allclose(PatchMixLoss()((logits, patch), packed), expected, atol=1e-6)
+
+
+def test_switches_must_be_bools_and_targets_may_be_lists():
+    for name in ('image_loss', 'patch_loss', 'bce', 'bce_sum'):
+        with pytest.raises(ValueError, match=rf"^{name} must be True or False, got 'no'$"):
+            PatchMixLoss(**{name: 'no'})
+    assert PatchMixLoss(patch_loss=np.bool_(False)).patch_loss is False
+    logits = torch.randn(3, 4)
+    assert torch.equal(PatchMixLoss()(logits, [0, 3, 1]), PatchMixLoss()(logits, torch.tensor([0, 3, 1])))
+    assert torch.equal(PatchMixLoss()(logits, np.array([0, 3, 1])), F.cross_entropy(logits, torch.tensor([0, 3, 1])))
+    with pytest.raises(ValueError, match='got a scalar'):
+        PatchMixLoss()(logits, torch.tensor(1))

@@ -689,3 +689,47 @@ def test_the_mix_advances_the_batchs_version_counter_in_every_grad_mode(mode):
     assert x._version > version
     with pytest.raises(RuntimeError, match='modified by an inplace operation'):
         out.backward()
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float16, torch.uint8])
+def test_a_source_of_another_dtype_is_refused_not_reinterpreted(dtype):
+    """Cells are copied as they are: a source of another dtype than the batch is an error naming both dtypes, on
+    the per-cell (CPU) and the select (accelerator) way alike, and the batch is left as it was."""
+    from timm_patchmix.mix import mix_cells_, mix_select_
+    m = PatchMix(grid=4, num_classes=10)
+    x = torch.rand(4, 3, 16, 16)
+    before = x.clone()
+    params = PatchMixParams(torch.tensor([4, 5, 6, 7]), torch.zeros(4, 4, 4, dtype=torch.bool))
+    src = (torch.rand(8, 3, 16, 16) * 255).to(dtype)
+    with pytest.raises(ValueError, match=rf'source images must have the dtype of the batch they are mixed into '
+                                         rf'\(torch.float32\), got {dtype}'):
+        m.apply(x, torch.arange(4), params, (src, torch.arange(8)))
+    for mix_ in (mix_cells_, mix_select_):
+        with pytest.raises(ValueError, match='source images must have the dtype'):
+            mix_(x, params.partner, params.mask, src)
+    assert torch.equal(x, before)
+    out, _ = m.apply(x, torch.arange(4), params, (src.to(torch.float32), torch.arange(8)))
+    assert torch.equal(out, src[4:].to(torch.float32))  # every cell from the source, converted by the caller
+
+
+def test_apply_and_call_name_wrong_kinds_of_argument():
+    m = PatchMix(grid=2, num_classes=4)
+    x, y = torch.rand(2, 3, 8, 8), torch.arange(2)
+    p = m.sample(2)
+    with pytest.raises(ValueError, match=r'params must be PatchMixParams \(from PatchMix.sample\), got tuple'):
+        m.apply(x, y, (p.partner, p.mask))
+    with pytest.raises(ValueError, match=r'generator must be a torch.Generator or None, got int'):
+        m(x, y, generator=0)
+    with pytest.raises(ValueError, match=r'generator must be a torch.Generator or None, got int'):
+        m.sample(2, generator=0)
+    with pytest.raises(ValueError, match=r'source targets are missing'):
+        m.apply(x, y, p, (x.clone(), None))
+    with pytest.raises(ValueError, match=r'source must be a pair \(images \[N, C, H, W\], targets \[N\]\), got Tensor'):
+        m.apply(x, y, p, x.clone())
+    with pytest.raises(ValueError, match=r'source must be a pair .* got a sequence of 3'):
+        m.apply(x, y, p, (x.clone(), y, y))
+    a = m.sample(np.int64(3), generator=torch.Generator().manual_seed(0))  # a numpy integer, as num_classes takes
+    b = m.sample(3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.partner, b.partner) and torch.equal(a.mask, b.mask)
+    with pytest.raises(ValueError, match='batch_size must be a non-negative int'):
+        m.sample(np.bool_(True))

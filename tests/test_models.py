@@ -243,3 +243,25 @@ def test_backbones_without_one_spatial_map_get_a_named_error(arch, size, message
 def test_cifar_backbones_report_in_chans(name):
     assert timm.create_model(name).in_chans == 3
     assert timm.create_model(name, in_chans=1).in_chans == 1
+
+
+@pytest.mark.parametrize('name', ['resnet8_cifar', 'preactresnet18_cifar', 'patchhead_resnet8_cifar', 'resnet18',
+                                  'patchhead_resnet18'])
+def test_reset_classifier_keeps_dtype_mode_and_reports_the_pooled_width(name):
+    """As timm's ResNet: a new classifier in the model's dtype (bf16 here) and train/eval mode, and
+    ``head_hidden_size`` the width ``forward_head(pre_logits=True)`` gives (twice the features for
+    ``catavgmax``), at creation and after a reset that changes the pooling."""
+    m = timm.create_model(name, num_classes=3, global_pool='catavgmax')
+    x = torch.randn(2, 3, 32, 32)
+    assert m.head_hidden_size == 2 * m.num_features
+    assert m.eval().forward_head(m.forward_features(x), pre_logits=True).shape[1] == m.head_hidden_size
+    m = m.to(torch.bfloat16).eval()
+    m.reset_classifier(4)
+    out = m(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 4)
+    assert not any(mod.training for mod in m.modules())
+    m.reset_classifier(5, 'avg')
+    assert m.head_hidden_size == m.num_features
+    assert m.forward_head(m.forward_features(x.to(torch.bfloat16)), pre_logits=True).shape[1] == m.num_features
+    assert m(x.to(torch.bfloat16)).shape == (2, 5)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())

@@ -4,6 +4,7 @@ The table itself (schema, fingerprint, validated load) lives in :mod:`timm_patch
 here too, where earlier versions defined them."""
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple, Union
 
 import numpy as np
@@ -35,9 +36,13 @@ class ClassMemory:
         with torch.inference_mode(False):
             self._update(x, labels)
 
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether the remembered images have the image shape, dtype and device of the batch ``x [B, C, H, W]``."""
+        return (self.images is not None and self.images.shape[2:] == x.shape[1:] and self.images.device == x.device
+                and self.images.dtype == x.dtype)
+
     def _update(self, x: torch.Tensor, labels: torch.Tensor) -> None:
-        if self.images is None or self.images.shape[2:] != x.shape[1:] or self.images.device != x.device \
-                or self.images.dtype != x.dtype:
+        if not self.fits(x):
             self.images = torch.empty((self.num_classes, self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
             self.count.zero_()
             self.next.zero_()
@@ -84,13 +89,17 @@ class GuidedPatchMix:
     masks) given equal weight.
     """
 
-    def __init__(self, table: Union[MaskTable, str], guided_prob: float = 1 / 3, random_prob: float = 1 / 3,
+    def __init__(self, table: Union[MaskTable, str, os.PathLike], guided_prob: float = 1 / 3,
+                 random_prob: float = 1 / 3,
                  num_classes: Optional[int] = None, label_smoothing: float = 0.0, grid: Optional[GridSpec] = None,
                  fingerprint: Optional[str] = None, memory_size: int = 4, alpha: float = 1.0):
-        if isinstance(table, str):
-            table = MaskTable.load(table, grid=to_grid(grid) if grid is not None else None,
+        if isinstance(table, (str, os.PathLike)):
+            table = MaskTable.load(os.fspath(table), grid=to_grid(grid) if grid is not None else None,
                                    num_classes=num_classes, fingerprint=fingerprint)
+        elif not isinstance(table, MaskTable):
+            raise ValueError(f'table must be a MaskTable or the path of a mask table file, got {type(table).__name__}')
         else:
+            table = table.checked()  # built in Python: checked as a loaded table is
             if grid is not None and to_grid(grid) != table.grid:
                 raise MaskTableError(f'mask table grid {table.grid} differs from the run grid {to_grid(grid)}')
             if num_classes is not None and num_classes != table.num_classes:
@@ -218,6 +227,11 @@ class GuidedPatchMix:
         if target.ndim == 1 and target.shape[0] != x.shape[0]:
             # checked before anything is drawn or remembered: a failed call leaves the class memory as it was
             raise ValueError(f'target batch size {target.shape[0]} does not match the image batch size {x.shape[0]}')
+        if self.memory.images is not None and not self.memory.fits(x):
+            # remembered images of another size or dtype than this batch's are no partners for it, and sample
+            # reads the memory's counts: forget them first (bad labels raise before, leaving the memory as it was)
+            self._check_labels(target.cpu())
+            self.memory.clear()
         params, guided, extra = self.sample(target, generator=generator)
         source = None
         if extra:

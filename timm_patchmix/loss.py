@@ -1,8 +1,9 @@
 """PatchMixLoss: the image-level and patch-level objective of PatchMix (equation 4 of the paper)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Set, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -62,6 +63,11 @@ class PatchMixLoss(nn.Module):
                  smoothing: float = 0.0, bce: bool = False, bce_target_thresh: Optional[float] = None,
                  bce_sum: bool = False, bce_pos_weight: Optional[float] = None):
         super().__init__()
+        for name, value in (('image_loss', image_loss), ('patch_loss', patch_loss), ('bce', bce),
+                            ('bce_sum', bce_sum)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f'{name} must be True or False, got {value!r}')
+        image_loss, patch_loss, bce, bce_sum = bool(image_loss), bool(patch_loss), bool(bce), bool(bce_sum)
         if not (image_loss or patch_loss):
             raise ValueError('PatchMixLoss needs image_loss or patch_loss (or both) switched on')
         self.image_loss = image_loss
@@ -75,6 +81,8 @@ class PatchMixLoss(nn.Module):
         self.bce_pos_weight = None if bce_pos_weight is None else _number(bce_pos_weight, 'bce_pos_weight', 0.0)
         if not self.bce and (self.bce_target_thresh is not None or self.bce_sum or self.bce_pos_weight is not None):
             raise ValueError('bce_target_thresh, bce_sum and bce_pos_weight set the BCE of bce=True')
+        # the target layouts whose packed header was read on an accelerator (see _check_header)
+        self._headers_read: Set[tuple] = set()
 
     def extra_repr(self) -> str:
         text = (f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}, '
@@ -83,6 +91,28 @@ class PatchMixLoss(nn.Module):
             text += (f', bce=True, bce_target_thresh={self.bce_target_thresh}, bce_sum={self.bce_sum}, '
                      f'bce_pos_weight={self.bce_pos_weight}')
         return text
+
+    def _check_header(self, target: torch.Tensor, c: int, ncell: int) -> None:
+        """A packed target of the width that ``c`` classes and ``ncell`` cells give was packed for them: its
+        header's grid has ``ncell`` cells (another grid and class count can give the same width, 3 + 2C + cells,
+        and would be scored with its columns misread). On the CPU every call reads it; on an accelerator, where
+        the read waits for the device, the first call of each target width and device does (not while
+        ``torch.compile`` traces or a CUDA graph captures), so later steps run without a host synchronisation."""
+        if target.shape[0] == 0:
+            return
+        key = (target.device, target.shape[1], c, ncell)
+        on_host = target.device.type == 'cpu'
+        if not on_host and (key in self._headers_read or torch.compiler.is_compiling() or torch.jit.is_tracing()
+                            or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        rows, cols = (int(v) for v in target[0, :2].tolist())
+        if rows * cols != ncell:
+            packed_c = (target.shape[1] - _HEADER - rows * cols) / 2
+            raise ValueError(f'packed target was built for a {rows}x{cols} grid ({rows * cols} cells) and '
+                             f'{packed_c:g} classes, but the model gives {ncell} patch logits of {c} classes; mix with '
+                             f'the grid and num_classes of the model')
+        if not on_host:
+            self._headers_read.add(key)
 
     def _rows(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of each row (over the last dim): the soft cross-entropy, or the BCE with ``bce``."""
@@ -103,11 +133,17 @@ class PatchMixLoss(nn.Module):
         if patch_logits is not None and (patch_logits.ndim != 3 or patch_logits.shape[0] != b
                                          or patch_logits.shape[2] != c):
             raise ValueError(f'patch_logits must be [B, cells, C] = [{b}, cells, {c}], got {list(patch_logits.shape)}')
+        if not isinstance(target, torch.Tensor):  # a list or numpy array of class indices, as the mixers take
+            target = torch.as_tensor(target, device=logits.device)
+        if target.ndim == 0:
+            raise ValueError('target must be class indices [B], a soft target [B, C] or a packed target, got a '
+                             'scalar')
         if target.shape[0] != b:
             raise ValueError(f'target batch size {target.shape[0]} does not match the logits batch size {b}')
 
         use_patch = patch_logits is not None and self.patch_loss
         if use_patch and self.image_loss and not self.bce and is_packed_target(target, c, patch_logits.shape[1]):
+            self._check_header(target, c, patch_logits.shape[1])
             return packed_loss(logits, patch_logits, target, self.patch_weight)
         if target.ndim == 1:
             image_t = soft_target(target, c, self.smoothing, device=logits.device)

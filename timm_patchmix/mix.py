@@ -296,6 +296,21 @@ def _check_writable(x: torch.Tensor) -> None:
                            'place outside inference mode; mix it under torch.inference_mode(), or mix x.clone()')
 
 
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f'generator must be a torch.Generator or None, got {type(generator).__name__} '
+                         f'(for a seed, pass torch.Generator().manual_seed(seed))')
+
+
+def _check_source_dtype(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``source`` when its images have ``x``'s dtype; cells are copied as they are, never converted, so a source of
+    another dtype (float64 images into a float32 batch, uint8 into float) is an error rather than other values."""
+    if source.dtype != x.dtype:
+        raise ValueError(f'source images must have the dtype of the batch they are mixed into ({x.dtype}), got '
+                         f'{source.dtype}; convert them first (source.to({x.dtype}))')
+    return source
+
+
 def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
                source: Optional[torch.Tensor] = None, *, fresh: bool = False) -> torch.Tensor:
     """Mix ``x [B, C, H, W]`` in place and return it: where ``mask[i, r, c]`` is False, cell (r, c) of ``x[i]``
@@ -317,7 +332,7 @@ def mix_cells_(x: torch.Tensor, partner: torch.Tensor, mask: torch.Tensor,
     tensor outside inference mode, gets an error and is left as it was.
     """
     _check_writable(x)
-    src = x if source is None else source
+    src = x if source is None else _check_source_dtype(x, source)
     h, w = x.shape[-2:]
     rows, cols = mask.shape[1:]
     tracked = _tracked(x, src)
@@ -362,7 +377,7 @@ def _select(x: torch.Tensor, partner: torch.Tensor, pix: torch.Tensor, source: O
     """Where the pixel mask ``pix [B, 1, H, W]`` is False, ``x`` takes ``source[partner]``'s pixel (``source``
     defaults to ``x``): one gather of the partners, then one select into ``x``."""
     _check_writable(x)
-    src = x if source is None else source
+    src = x if source is None else _check_source_dtype(x, source)
     if torch.is_grad_enabled() and _tracked(x, src):
         # out= is not differentiable: select into a new tensor and copy it in, which autograd records
         x.copy_(torch.where(pix, x, src.index_select(0, partner)))
@@ -570,8 +585,10 @@ class PatchMix:
         The draws are made on ``generator``'s device, or on ``device`` when no generator is given. Drawn on an
         accelerator, nothing waits for the host: the params are sampled where the batch lives.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 0:
             raise ValueError(f'batch_size must be a non-negative int, got {batch_size!r}')
+        batch_size = int(batch_size)  # a numpy integer too, as grid and num_classes take
+        _check_generator(generator)
         rows, cols = self.grid
         gdev = generator.device if generator is not None else torch.device('cpu' if device is None else device)
         if not self.mixup_enabled or batch_size == 0:
@@ -617,10 +634,19 @@ class PatchMix:
         """
         self._check_image(x)
         b, _, h, w = x.shape
+        if not isinstance(params, PatchMixParams):
+            raise ValueError(f'params must be PatchMixParams (from PatchMix.sample), got {type(params).__name__}')
+        if source is not None and (not isinstance(source, (tuple, list)) or len(source) != 2):
+            got = f'a sequence of {len(source)}' if isinstance(source, (tuple, list)) else type(source).__name__
+            raise ValueError(f'source must be a pair (images [N, C, H, W], targets [N]), got {got}')
         src_x, src_t = (None, None) if source is None else source
         if src_x is not None and (not isinstance(src_x, torch.Tensor) or src_x.shape[1:] != x.shape[1:]):
             got = list(src_x.shape) if isinstance(src_x, torch.Tensor) else type(src_x).__name__
             raise ValueError(f'source images must have shape [N, {", ".join(map(str, x.shape[1:]))}], got {got}')
+        if src_x is not None:
+            _check_source_dtype(x, src_x)
+            if src_t is None:
+                raise ValueError('source targets are missing: source must be (images [N, C, H, W], targets [N])')
         params.validate(b, None if src_x is None else src_x.shape[0])
         if params.grid != self.grid:
             raise ValueError(f'params are for a {params.grid[0]}x{params.grid[1]} grid but this mixer uses '
@@ -653,6 +679,7 @@ class PatchMix:
         this mixer's own, so only their shapes need checking: on an accelerator the whole call runs without a
         host synchronisation (after a CUDA batch shape's first call, which captures its draw; see the class)."""
         self._check_image(x)
+        _check_generator(generator)
         if (generator is None and x.is_cuda and self.cuda_graph and self.mixup_enabled and x.shape[0] > 0
                 and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
                 and not torch.cuda.is_current_stream_capturing()):

@@ -18,6 +18,13 @@ __all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION
 SCHEMA_VERSION = 1
 
 
+def _plain(value: Any) -> Any:
+    """A numpy or torch value as the JSON value it stands for (``json.dumps``'s ``default``)."""
+    if hasattr(value, 'tolist'):
+        return value.tolist()
+    raise TypeError(f'{type(value).__name__} {value!r}')
+
+
 class MaskTableError(ValueError):
     """A mask table that is corrupt, of another schema, or made for another grid, label set or dataset."""
 
@@ -122,6 +129,26 @@ class MaskTable:
         search_args = doc.get('search_args')
         search_args = {} if search_args is None else dict(f.dict(search_args, 'search_args'))
         return cls((rows, cols), n, names, fingerprint, pairs, masks, scores, best, search_args)
+
+    def checked(self) -> 'MaskTable':
+        """This table checked field by field as :meth:`load` checks a file (a table built in Python: errors name
+        the field), returned as a new table of plain Python values (numpy or torch values become ints, lists and
+        bool arrays)."""
+        if not all(isinstance(v, (list, tuple)) for v in (self.pairs, self.masks, self.scores)) or not (
+                len(self.pairs) == len(self.masks) == len(self.scores)):
+            raise MaskTableError('mask table: pairs, masks and scores must be lists of one length, got '
+                                 + ', '.join(f'{type(v).__name__} of {len(v)}' if hasattr(v, '__len__')
+                                             else type(v).__name__ for v in (self.pairs, self.masks, self.scores)))
+        doc = {'grid': self.grid, 'num_classes': self.num_classes, 'class_names': self.class_names,
+               'dataset_fingerprint': self.fingerprint, 'best_fitness': self.best_fitness,
+               'pairs': [{'classes': p, 'mask': m, 'score': s} for p, m, s in zip(self.pairs, self.masks, self.scores)],
+               'search_args': self.search_args}
+        try:
+            doc = json.loads(json.dumps(doc, default=_plain))
+        except (TypeError, ValueError) as e:
+            raise MaskTableError(f'mask table: a field holds a value that is not a number, string, list or '
+                                 f'array: {e}') from None
+        return self._from_doc(doc, Fields('mask table', MaskTableError))
 
     @classmethod
     def load(cls, path: str, *, grid: Optional[Tuple[int, int]] = None, num_classes: Optional[int] = None,

@@ -139,7 +139,7 @@ class CifarResNet(nn.Module):
         self.final_act = nn.ReLU() if self.preact else nn.Identity()
         if self.preact:
             self.feature_info[-1]['module'] = 'final_act'
-        self.num_features = self.head_hidden_size = in_chs
+        self.num_features = in_chs
         self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
         self.fc = self._classifier(num_classes)
         for m in self.modules():
@@ -162,16 +162,21 @@ class CifarResNet(nn.Module):
         return self.fc
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None):
+        """A new classifier for ``num_classes`` (0: none) on the device and in the dtype of the model's weights,
+        in the model's train or eval mode; ``global_pool`` replaces the pooling when given."""
         self.num_classes = num_classes
         if global_pool is not None:
             self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
-        self.fc = self._classifier(num_classes)
+        weight = self.conv1.weight
+        self.fc = self._classifier(num_classes).to(device=weight.device, dtype=weight.dtype)
+        self.global_pool.train(self.training)
+        self.fc.train(self.training)
 
     def _classifier(self, num_classes: int) -> nn.Module:
-        """The classifier on the pooled features: ``num_features`` times the pooling's multiplier (2 for
-        ``catavgmax``, as in timm's ResNet)."""
-        width = self.num_features * self.global_pool.feat_mult()
-        return nn.Linear(width, num_classes) if num_classes > 0 else nn.Identity()
+        """The classifier on the pooled features, ``head_hidden_size`` wide: ``num_features`` times the pooling's
+        multiplier (2 for ``catavgmax``, as in timm's ResNet)."""
+        self.head_hidden_size = self.num_features * self.global_pool.feat_mult()
+        return nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act1(self.bn1(self.conv1(x)))
@@ -216,7 +221,7 @@ class CifarResNet(nn.Module):
         if last < len(self.feature_info) - 1 or prune_norm:
             self.final_norm, self.final_act = nn.Identity(), nn.Identity()
         if last < len(self.feature_info) - 1:
-            self.num_features = self.head_hidden_size = self.feature_info[last]['num_chs']
+            self.num_features = self.feature_info[last]['num_chs']  # head_hidden_size: reset_classifier
             prune_head = True
         if prune_head:
             self.reset_classifier(0, '')

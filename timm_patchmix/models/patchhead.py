@@ -340,6 +340,7 @@ class PatchHeadModel(nn.Module):
         dd.update({k: kwargs[k] for k in ('device', 'dtype') if kwargs.get(k) is not None})  # as timm's takes them
         if dd:
             self.patch_head.fc.to(**dd)
+        self.patch_head.train(self.training)  # a model in eval mode keeps its new head in eval mode, as timm's ResNet
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
