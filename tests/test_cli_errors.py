@@ -102,6 +102,14 @@ def test_out_of_range_numbers_exit_2_naming_flag_and_value(capsys, paths, cli, a
     ('train', ['--opt', 'no_such_opt'], ['argument --opt', "'no_such_opt'"]),
     ('train', ['--sched', 'no_such_sched'], ['argument --sched', "'no_such_sched'"]),
     ('train', ['--clip-mode', 'no_such_mode'], ['argument --clip-mode', "'no_such_mode'"]),
+    # a split name of a two-split dataset that is a typo (it opened the evaluation split), or training on the
+    # evaluation split
+    ('train', ['--train-split', 'trian'], ["argument --train-split: 'trian' is not a split of patchshapes"]),
+    ('train', ['--val-split', 'bogus'], ["argument --val-split: 'bogus' is not a split of patchshapes"]),
+    ('train', ['--train-split', 'test'], ["argument --train-split: 'test' names the evaluation split of patchshapes"]),
+    ('train', ['--dataset', 'fashion_mnist', '--train-split', 'validation'],
+     ["'validation' names the evaluation split of fashion_mnist"]),
+    ('train', ['--dataset', 'torch/cifar10', '--val-split', 'tst'], ["'tst' is not a split of torch/cifar10"]),
 ])
 def test_flag_combinations_exit_2(capsys, paths, cli, argv, names):
     fn, base = _cli(cli, paths[0])
@@ -343,3 +351,23 @@ def test_robustness_errors_are_one_line_not_tracebacks(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith('error: ') and 'Traceback' not in err, err
     expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--device', 'foo'], "'foo'", flag='--device')
+    expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--val-split', 'nosuch'],
+                       "'nosuch' is not a split of patchshapes", flag='--val-split')
+
+
+def test_split_names_of_two_split_datasets():
+    """Every known name opens one of the two fixed splits; another name is refused (it opened the evaluation
+    split); an image folder or another timm dataset names its own splits, which its loader checks."""
+    from types import SimpleNamespace
+    from timm_patchmix.data import split_name_problem
+    from timm_patchmix.search.inputs import SearchUsageError, _scored_split
+    for name in ('train', 'training', 'validation', 'val', 'test', 'eval'):
+        assert split_name_problem('fashion_mnist', '', name) is None
+    assert split_name_problem('', '', 'validation', training=True) is not None
+    assert split_name_problem('', 'my_images', 'trian', training=True) is None      # an image folder's own name
+    assert split_name_problem('torch/imagenet', '', 'custom') is None
+    cfg = SimpleNamespace(val_split='vaildation', checkpoint='ft.safetensors')
+    with pytest.raises(SearchUsageError, match=r"--val-split vaildation: 'vaildation' is not a split of patchshapes"):
+        _scored_split(cfg, {'val_split': 'validation'}, '', '')
+    cfg = SimpleNamespace(val_split='val', checkpoint='ft.safetensors')
+    assert _scored_split(cfg, {'val_split': 'validation'}, '', '') == 'val'

@@ -308,3 +308,25 @@ def test_cuda_gradients_reach_the_pixels_each_cell_came_from():
         out, _ = mixer(leaf * 1, y.cuda())
         (out * upstream.cuda()).sum().backward()
         assert leaf.grad.sum().item() == upstream.sum().item() and not torch.equal(leaf.grad.cpu(), upstream)
+
+
+def test_a_cuda_target_of_another_grid_is_refused_on_the_first_step():
+    """On the device the loss reads the packed header on the first step of each target width: a target packed
+    for a 2x3 grid of 7 classes, as wide as one of 4 cells and 8 classes, is refused there; the right layout then
+    steps without reading it again."""
+    from timm_patchmix import PatchMixLoss
+    x, y = torch.rand(4, 3, 8, 9, device='cuda'), torch.randint(0, 7, (4,), device='cuda')
+    _, wrong = PatchMix(grid=(2, 3), num_classes=7)(x, y)
+    crit = PatchMixLoss()
+    with pytest.raises(ValueError, match=r'packed target was built for a 2x3 grid \(6 cells\) and 7 classes'):
+        crit((torch.randn(4, 8, device='cuda'), torch.randn(4, 4, 8, device='cuda')), wrong)
+    x, y = torch.rand(4, 3, 8, 8, device='cuda'), torch.randint(0, 8, (4,), device='cuda')
+    _, right = PatchMix(grid=2, num_classes=8)(x, y)
+    out = (torch.randn(4, 8, device='cuda'), torch.randn(4, 4, 8, device='cuda'))
+    crit(out, right)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        crit(out, right)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -346,6 +346,13 @@ def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_pat
     with pytest.raises(CheckpointError, match='results.json'):
         hub.export_folder(ckpt, str(tmp_path / 'repo2'))
     assert not os.path.exists(tmp_path / 'repo2')
+    # a fresh run without --holdout into the same folder: the earlier run's results.json goes with its weights,
+    # so the card of the new weights claims no held-out protocol
+    (tmp_path / 'rpm' / 'fgsm.json').write_text('{}')
+    train_main(TINY + ['--output', str(tmp_path), '--experiment', 'rpm', '--patchmix'])
+    assert not (tmp_path / 'rpm' / 'results.json').exists() and not (tmp_path / 'rpm' / 'fgsm.json').exists()
+    card = open(os.path.join(hub.export_folder(ckpt, str(tmp_path / 'repo3')), 'README.md')).read()
+    assert 'Protocol: no held-out split' in card and 'was held out' not in card
 
 
 def test_a_folder_written_by_timms_save_for_hf_loads_through_local_dir(tmp_path):

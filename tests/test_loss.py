@@ -189,3 +189,17 @@ def test_switches_must_be_bools_and_targets_may_be_lists():
     assert torch.equal(PatchMixLoss()(logits, np.array([0, 3, 1])), F.cross_entropy(logits, torch.tensor([0, 3, 1])))
     with pytest.raises(ValueError, match='got a scalar'):
         PatchMixLoss()(logits, torch.tensor(1))
+
+
+def test_the_header_is_not_read_where_there_are_no_values_or_a_trace_runs():
+    """A meta target, a fake tensor and a ``torch.compile(fullgraph=True)`` trace have no header values to read:
+    the loss is built without reading it (and is the eager value when compiled)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _, packed = PatchMix(grid=2, num_classes=3)(torch.rand(4, 3, 8, 8), torch.randint(0, 3, (4,)))
+    out = (torch.randn(4, 3), torch.randn(4, 4, 3))
+    compiled = torch.compile(PatchMixLoss(), backend='aot_eager', fullgraph=True)
+    assert torch.allclose(compiled(out, packed), PatchMixLoss()(out, packed), atol=1e-6)
+    meta = PatchMixLoss()((out[0].to('meta'), out[1].to('meta')), packed.to('meta'))
+    assert meta.device.type == 'meta' and meta.shape == ()
+    with FakeTensorMode():
+        assert PatchMixLoss()((torch.randn(4, 3), torch.randn(4, 4, 3)), torch.randn(*packed.shape)).shape == ()

@@ -102,6 +102,10 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--bce-loss'], [('--bce-loss', 'False', 'True')]),
     ('mixup', None, ['--reprob', '0.25'], [('--reprob', '0.0', '0.25')]),
     ('mixup', None, ['--aa', 'v0', '--hflip', '0'], [('--aa', 'None', "'v0'"), ('--hflip', '0.5', '0.0')]),
+    # what chooses the best epoch: the saved best is a score of one metric on one set of images
+    ('mixup', None, ['--eval-metric', 'loss'], [('--eval-metric', "'top1'", "'loss'")]),
+    ('mixup', None, ['--val-subset', '8'], [('--val-subset', '16', '8')]),
+    ('mixup', None, ['--val-split', 'train'], [('--val-split', "'validation'", "'train'")]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained
@@ -174,13 +178,19 @@ def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp
     old_root = tmp_path / 'old'
     shutil.copytree(root / 'mixup', old_root / 'mixup')
     path = str(old_root / 'mixup' / 'state.safetensors')
-    new = RESUME_SETTINGS[RESUME_SETTINGS.index('no_aug'):]
-    assert new[-1] == 'aug_repeats' and 'train_interpolation' in new and 'bce_pos_weight' in new
+    new = RESUME_SETTINGS[RESUME_SETTINGS.index('no_aug'):RESUME_SETTINGS.index('aug_repeats') + 1]
+    assert 'train_interpolation' in new and 'bce_pos_weight' in new
+    # settings compared since, of flags the older version had: its args hold them, its settings record does not
+    compared_since = RESUME_SETTINGS[RESUME_SETTINGS.index('aug_repeats') + 1:]
+    assert compared_since == ('eval_metric', 'val_split', 'val_subset')
 
     def older(meta, tensors):
         for key in new:
             del meta['args'][key], meta['settings']['--' + key.replace('_', '-')]
+        for key in compared_since:
+            del meta['settings']['--' + key.replace('_', '-')]
     _rewrite_meta(path, older)
+    refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--val-subset', '8']), ('--val-subset', '16', '8'))
     before = snapshot(old_root)
     refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--reprob', '0.2']), ('--reprob', '0.0', '0.2'))
     assert snapshot(old_root) == before
@@ -355,8 +365,9 @@ def test_pipeline_refuses_changed_train_args_from_the_cli(piped):
     proc = subprocess.run([sys.executable, '-m', 'timm_patchmix.pipeline', '--output', out, '--methods', 'base',
                            'mixup'] + changed, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    old, new = repr(PIPE_TRAIN[1:]), repr(changed[1:])
-    assert f'--train-args: {old} before, {new} now' in proc.stderr, proc.stderr
+    old = ['--batch-size 16', '--device cpu', '--epochs 1', '--train-subset 32', '--val-subset 16']
+    new = [a.replace('32', '48') for a in old]
+    assert f'--train-args: {old!r} before, {new!r} now' in proc.stderr, proc.stderr
     assert 'Traceback' not in proc.stderr
     assert snapshot(out) == before  # not even the new mixup phase started
 
@@ -365,6 +376,11 @@ def test_pipeline_same_settings_reuse(piped):
     out, text = piped
     stamp = os.stat(os.path.join(out, 'seed0', 'base', 'last.safetensors')).st_mtime_ns
     assert pipeline_main(['--output', out, '--methods', 'base'] + PIPE_TRAIN) == text
+    assert os.stat(os.path.join(out, 'seed0', 'base', 'last.safetensors')).st_mtime_ns == stamp
+    # the same --train-args in another order, spelt otherwise, with a console flag: the same settings
+    same = ['--train-args', '--epochs', '1', '--batch-size', '16', '--no-progress', '--log-interval', '5',
+            '--device', 'cpu', '--val-subset', '16', '--train-subset', '32']
+    assert pipeline_main(['--output', out, '--methods', 'base'] + same) == text
     assert os.stat(os.path.join(out, 'seed0', 'base', 'last.safetensors')).st_mtime_ns == stamp
 
 
@@ -409,3 +425,25 @@ def test_pipeline_refuses_unrecorded_and_changed_inputs(tmp_path):
                                                 f"{table!r} (sha256 {file_record(table)['sha256'][:12]})"))
     assert msg.startswith(f'cannot reuse {seed / "guided_pm"}')
     assert snapshot(tmp_path / 'g') == before  # no guided samples drawn from the changed table either
+
+
+@pytest.mark.parametrize('edit, message', [
+    (lambda meta, t: t.__setitem__('optim.0.momentum_buffer', torch.zeros(3)),
+     r"optimizer state 'momentum_buffer' of a parameter of shape \[16, 3, 3, 3\] has shape \[3\]"),
+    (lambda meta, t: meta['optimizer']['param_groups'][0].__setitem__('momentum', 'x'),
+     r"optimizer group 0 holds momentum='x', where this optimizer takes a number \(0.9\)"),
+    (lambda meta, t: meta['optimizer']['param_groups'][0].__setitem__('weight_decay', None),
+     r'optimizer group 0 holds weight_decay=None, where this optimizer takes a number'),
+])
+def test_train_resume_of_an_optimizer_state_it_could_not_step_with(trained, tmp_path, edit, message):
+    """An optimizer state whose tensors or settings the optimizer cannot use (torch's load_state_dict checks
+    neither, and the first step failed deep in torch): ``cannot resume`` naming it, before anything is written."""
+    root, runs = trained
+    shutil.copytree(root / 'mixup', tmp_path / 'mixup')
+    path = str(tmp_path / 'mixup' / 'state.safetensors')
+    _rewrite_meta(path, edit)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit, match=r'^error: cannot resume from .*does not fit the model and optimizer of this '
+                                         r'run: ' + message):
+        resume_train(tmp_path, 'mixup', runs['mixup'])
+    assert snapshot(tmp_path) == before

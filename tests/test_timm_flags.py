@@ -467,3 +467,24 @@ def test_model_flags_a_model_cannot_take_are_usage_errors(argv, flag, message):
     with pytest.raises(ConfigError, match=message) as e:
         _built(argv)
     assert e.value.flag == flag
+
+
+def test_settings_of_a_mixer_that_is_off_are_named_not_silently_dropped(tmp_path, capsys):
+    """``--guided-prob`` without a table, PatchMix settings without ``--patchmix``, Mixup settings without
+    ``--mixup``/``--cutmix``: each changes nothing, and the run says so in a ``note:`` line (not refused: the
+    pipeline gives --train-args to every method's run). Settings of a mixer that is on, or left at their
+    defaults, are no note."""
+    assert TrainConfig().unused_settings() == []
+    assert TrainConfig(patchmix=True, patchmix_alpha=0.5, patchmix_mode='batch').unused_settings() == []
+    assert TrainConfig(mixup=0.2, mixup_prob=0.5).unused_settings() == []
+    lines = TrainConfig(patchmix=True, guided_prob=0.9).unused_settings()
+    assert lines == ['--guided-prob 0.9 sets the guided batches of --patchmix-table, which is off in this run: it '
+                     'changes nothing (add --patchmix-table with a search\'s masks.json to use it)']
+    lines = TrainConfig(patchmix_alpha=0.5, patchmix_collate=True, mixup_mode='pair').unused_settings()
+    assert lines[0].startswith('--patchmix-alpha 0.5 and --patchmix-collate set how --patchmix mixes')
+    assert lines[1].startswith("--mixup-mode pair sets timm's Mixup/CutMix of --mixup/--cutmix") and len(lines) == 2
+    from timm_patchmix.train import main
+    main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1',
+          '--output', str(tmp_path), '--patchmix', '--random-prob', '0.5'])
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith('note: --random-prob 0.5 sets the guided batches of --patchmix-table') for line in out)

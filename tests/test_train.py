@@ -454,3 +454,27 @@ def test_train_leaves_the_callers_generators_and_a_drawing_callback_changes_noth
     a = load_file(os.path.join(quiet.output, 'last.safetensors'))
     b = load_file(os.path.join(drawn.output, 'last.safetensors'))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_exits_130_with_the_saved_epochs_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt) in the second epoch: no traceback, exit status 130 and a line saying how to go
+    on; the first epoch's files are whole, and --resume goes on from them to the run's end."""
+    import timm_patchmix.train as train_cli
+    real_train = train_cli.train
+
+    def interrupted(cfg, **kw):
+        def on_step(event):
+            if event.updates >= 6:  # 64 images in batches of 16: 4 updates an epoch
+                raise KeyboardInterrupt
+        return real_train(cfg, on_step=on_step)
+    monkeypatch.setattr(train_cli, 'train', interrupted)
+    argv = TINY + ['--output', str(tmp_path), '--experiment', 'run', '--log-interval', '1000']
+    assert train_cli.cli(argv) == 130
+    err = capsys.readouterr().err
+    assert err.startswith('interrupted: the epochs finished so far are saved') and 'Traceback' not in err
+    assert '--resume <run folder>/state.safetensors' in err
+    state = load_state(str(tmp_path / 'run' / 'state.safetensors'))
+    assert state['meta']['epoch'] == 0
+    monkeypatch.setattr(train_cli, 'train', real_train)
+    res = main(argv + ['--resume', str(tmp_path / 'run' / 'state.safetensors')])
+    assert [r['epoch'] for r in res['rows']] == [0, 1]

@@ -12,7 +12,8 @@ from torch.utils.data import Dataset
 
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
-           'open_dataset', 'is_train_split', 'subset_indices', 'make_view', 'dataset_num_classes',
+           'open_dataset', 'is_train_split', 'has_fixed_splits', 'split_name_problem', 'subset_indices', 'make_view',
+           'dataset_num_classes',
            'Augment', 'default_crop_padding', 'small_image_transform', 'image_transform', 'pixel_transform', 'read_idx',
            'DatasetError',
            'shared_files']
@@ -377,9 +378,42 @@ def _open_dataset(name: str, root: str, split: str, download: bool) -> Tuple[Dat
     return base, classes
 
 
+TRAIN_SPLITS = ('train', 'training')
+EVAL_SPLITS = ('validation', 'val', 'valid', 'eval', 'evaluation', 'test')
+# datasets of two fixed splits, opened by whether a name is a training one: the embedded data, the IDX files,
+# scikit-learn's digits, and the torchvision sets timm opens with a train flag
+FIXED_SPLIT_DATASETS = ('patchshapes', 'fashion_mnist', 'sklearn_digits')
+FIXED_SPLIT_TORCH = ('cifar10', 'cifar100', 'mnist', 'kmnist', 'fashion_mnist')
+
+
 def is_train_split(split: str) -> bool:
     """``split`` names a training split (``'train'``, ``'training'``); any other name is an evaluation split."""
-    return split in ('train', 'training')
+    return split in TRAIN_SPLITS
+
+
+def has_fixed_splits(dataset: str, data_dir: str) -> bool:
+    """Whether ``dataset`` (at ``data_dir``) has two fixed splits, a training one and an evaluation one, that every
+    split name opens one of (:data:`FIXED_SPLIT_DATASETS`, ``torch/`` sets of :data:`FIXED_SPLIT_TORCH`)."""
+    prefix, sep, rest = dataset.partition('/')
+    return (dataset in FIXED_SPLIT_DATASETS or (dataset == '' and not data_dir)
+            or (bool(sep) and prefix.lower() == 'torch' and rest.lower() in FIXED_SPLIT_TORCH))
+
+
+def split_name_problem(dataset: str, data_dir: str, split: str, training: bool = False) -> Optional[str]:
+    """Why ``split`` cannot name the split a flag wants of a dataset of fixed splits (:func:`has_fixed_splits`),
+    or ``None``: a name outside :data:`TRAIN_SPLITS` and :data:`EVAL_SPLITS` (a typo would open the evaluation
+    split), or with ``training`` an evaluation name (the images every epoch is evaluated on would be trained on).
+    Other datasets name their own splits, which their loaders check."""
+    if not has_fixed_splits(dataset, data_dir):
+        return None
+    name = dataset or 'patchshapes'
+    if split not in TRAIN_SPLITS + EVAL_SPLITS:
+        return (f'{split!r} is not a split of {name}, which has a training split ({", ".join(TRAIN_SPLITS)}) and '
+                f'an evaluation split ({", ".join(EVAL_SPLITS)})')
+    if training and not is_train_split(split):
+        return (f'{split!r} names the evaluation split of {name}, the images it is evaluated and tested on; train '
+                f'on its training split ({", ".join(TRAIN_SPLITS)})')
+    return None
 
 
 def _check_subset(subset) -> None:

@@ -96,13 +96,15 @@ class PatchMixLoss(nn.Module):
         """A packed target of the width that ``c`` classes and ``ncell`` cells give was packed for them: its
         header's grid has ``ncell`` cells (another grid and class count can give the same width, 3 + 2C + cells,
         and would be scored with its columns misread). On the CPU every call reads it; on an accelerator, where
-        the read waits for the device, the first call of each target width and device does (not while
-        ``torch.compile`` traces or a CUDA graph captures), so later steps run without a host synchronisation."""
-        if target.shape[0] == 0:
-            return
+        the read waits for the device, the first call of each target width and device does, so later steps run
+        without a host synchronisation. Nothing is read while ``torch.compile`` or ``torch.jit.trace`` traces, while
+        a CUDA graph captures, or from a meta tensor or a tensor subclass (a fake tensor has no values)."""
+        if (target.shape[0] == 0 or torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or target.device.type == 'meta' or type(target) is not torch.Tensor):
+            return  # traced, or values not there to read (a meta tensor, a subclass such as a fake tensor)
         key = (target.device, target.shape[1], c, ncell)
         on_host = target.device.type == 'cpu'
-        if not on_host and (key in self._headers_read or torch.compiler.is_compiling() or torch.jit.is_tracing()
+        if not on_host and (key in self._headers_read
                             or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
         rows, cols = (int(v) for v in target[0, :2].tolist())

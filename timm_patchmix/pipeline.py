@@ -34,8 +34,8 @@ from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
 from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
 from .locking import FolderBusyError, hold_folder
-from .settings import (USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_record, read_settings,
-                       write_settings)
+from .settings import (INTERRUPTED, USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_record,
+                       read_settings, write_settings)
 from .viz import render_guided_samples
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
@@ -169,6 +169,9 @@ def _check_phase(args, folder: str, settings: Dict[str, Any]) -> bool:
         for key, value in LEGACY_SETTINGS.items():
             if key in settings:
                 recorded.setdefault(key, value)
+        if isinstance(recorded.get('--train-args'), list) and isinstance(settings.get('--train-args'), list):
+            recorded = dict(recorded, **{'--train-args': _train_args_compared(recorded['--train-args'])})
+            settings = dict(settings, **{'--train-args': _train_args_compared(settings['--train-args'])})
     if recorded is None:
         if os.path.isdir(folder) and os.listdir(folder):
             raise SettingsChangedError(
@@ -615,6 +618,36 @@ OWNED_TRAIN_FLAGS: Dict[str, Tuple[str, str]] = {
 }
 
 
+# train.py flags of the console output alone, which a rerun may change (see OWNED_TRAIN_FLAGS)
+CONSOLE_TRAIN_FLAGS = ('no_progress', 'log_interval')
+
+
+def _train_args_compared(train_args: List[str]) -> List[str]:
+    """``--train-args`` as a rerun compares them: each flag they set as ``'--flag value'`` under its long name, the
+    last value of a flag given twice, in sorted order, the console flags left out; so ``--epochs 1 -b 16`` and
+    ``--batch-size 16 --epochs 1 --no-progress`` are the same. Flags train.py no longer reads compare as given."""
+    import contextlib
+    import io
+    from .train import build_parser as train_parser
+    parser = train_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # only what the flags set ends up in the namespace
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            given = vars(parser.parse_args(list(train_args)))
+    except SystemExit:
+        return list(train_args)
+    out = []
+    for action in parser._actions:
+        if action.dest in given and action.dest not in CONSOLE_TRAIN_FLAGS:
+            value = given[action.dest]
+            flag = max(action.option_strings, key=len) if action.option_strings else action.dest
+            shown = (' '.join(map(str, value)) if isinstance(value, (list, tuple)) else
+                     '' if value is True and action.nargs == 0 else str(value))
+            out.append(f'{flag} {shown}'.rstrip())
+    return sorted(out)
+
+
 def _given_flags(parser: argparse.ArgumentParser, flags: List[str]) -> Dict[str, str]:
     """``{dest: option string}`` of each option in ``flags`` as ``parser`` resolves it (abbreviations and
     ``--flag=value`` included, as argparse reads them; a positional gets its metavar)."""
@@ -853,6 +886,10 @@ def cli(argv=None) -> int:
             PhaseFailedError, PhaseRecordError, MaskTableError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the phases started here were stopped with it
+        print('interrupted: finished phases and the epochs and generations saved so far are kept; the same command '
+              'goes on from there', file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

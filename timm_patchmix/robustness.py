@@ -117,6 +117,13 @@ def main(argv=None) -> int:
     try:
         model, meta = model_from_weights(args.checkpoint)
         data = meta.get('data', {})
+        if args.val_split:
+            from .data import split_name_problem
+            problem = split_name_problem(args.dataset if args.dataset is not None else data.get('dataset', ''),
+                                         args.data_dir if args.data_dir is not None else data.get('data_dir', ''),
+                                         args.val_split)
+            if problem:
+                parser.error(f'argument --val-split: {problem}')
         ds = build_dataset(args.dataset if args.dataset is not None else data.get('dataset', ''),
                            args.data_dir if args.data_dir is not None else data.get('data_dir', ''),
                            args.val_split or data.get('val_split', 'validation'),

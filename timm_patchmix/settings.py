@@ -18,6 +18,7 @@ __all__ = ['SettingsChangedError', 'file_record', 'differences', 'check_settings
            'write_settings', 'USAGE_ERROR']
 
 USAGE_ERROR = 2  # exit status of a refused resume or rerun, as for other usage errors
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT, as a shell reports a process SIGINT stopped)
 
 
 class SettingsChangedError(ValueError):

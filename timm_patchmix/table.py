@@ -132,9 +132,10 @@ class MaskTable:
 
     def checked(self) -> 'MaskTable':
         """This table checked field by field as :meth:`load` checks a file (a table built in Python: errors name
-        the field), returned as a new table of plain Python values (numpy or torch values become ints, lists and
-        bool arrays)."""
-        if not all(isinstance(v, (list, tuple)) for v in (self.pairs, self.masks, self.scores)) or not (
+        the field), returned as a new table of plain Python values: ``pairs``, ``masks`` and ``scores`` are lists
+        (or numpy arrays) of one length, whose numpy or torch values become ints, floats and bool arrays. What a
+        file may not hold, such a table may not either: no pairs, an empty fingerprint, a pair given twice."""
+        if not all(isinstance(v, (list, tuple, np.ndarray)) for v in (self.pairs, self.masks, self.scores)) or not (
                 len(self.pairs) == len(self.masks) == len(self.scores)):
             raise MaskTableError('mask table: pairs, masks and scores must be lists of one length, got '
                                  + ', '.join(f'{type(v).__name__} of {len(v)}' if hasattr(v, '__len__')

@@ -459,7 +459,7 @@ def cli(argv: Optional[List[str]] = None) -> int:
     lines (rank 0's; warnings only from the other ranks) unless logging is configured already."""
     from timm.utils import world_info_from_env
 
-    from .settings import USAGE_ERROR, SettingsChangedError
+    from .settings import INTERRUPTED, USAGE_ERROR, SettingsChangedError
     rank = world_info_from_env()[1]
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format='%(message)s')
     try:
@@ -467,6 +467,10 @@ def cli(argv: Optional[List[str]] = None) -> int:
     except SettingsChangedError as e:  # a resume with other settings than its state's
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:  # Ctrl-C: every file is written atomically, so the last saved epoch is whole
+        print('interrupted: the epochs finished so far are saved in the run folder; go on from the last one with '
+              'the same command and --resume <run folder>/state.safetensors', file=sys.stderr)
+        return INTERRUPTED
     except NonFiniteLossError as e:  # the run diverged: a failed run, not a usage error
         print(f'error: {e}', file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..cli_types import (bounds_of, float_range, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                          probability)
@@ -387,6 +387,12 @@ class TrainConfig:
         if self.test_subset is not None and not self.holdout:
             raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
                               'epoch is evaluated on --val-split, which --val-subset caps')
+        from ..data import split_name_problem
+        for flag, split, training in (('--train-split', self.train_split, True),
+                                      ('--val-split', self.val_split, False)):
+            problem = split_name_problem(self.dataset, self.data_dir, split, training)
+            if problem:
+                raise ConfigError(problem, flag)
         if self.holdout and self.val_split == self.train_split:
             raise ConfigError(f'with --holdout, --val-split names the test split, evaluated once at the end; it is '
                               f'the training split {self.train_split!r} here. Name the dataset\'s test split')
@@ -432,6 +438,27 @@ class TrainConfig:
         if self.patchmix and self.patchmix_collate and self.no_prefetcher:
             raise ConfigError('--patchmix-collate mixes uint8 batches in the collate step and needs the '
                               'prefetcher; drop --no-prefetcher or --patchmix-collate')
+
+    def unused_settings(self) -> List[str]:
+        """Settings of a mixer that is off, each a line naming the flags and what would use them: they change
+        nothing (``--guided-prob`` without a table trains Random PatchMix, say). Their defaults stand for "not
+        given". Not refused: the pipeline gives its ``--train-args`` to every method's run, the baselines too."""
+        lines = []
+        for on, names, what, remedy in (
+                (self.patchmix, ('patchmix_alpha', 'patchmix_prob', 'patchmix_mode', 'patchmix_collate',
+                                 'patchmix_off_epoch'), 'how --patchmix mixes', 'add --patchmix'),
+                (self.patchmix_table, ('guided_prob', 'random_prob'), 'the guided batches of --patchmix-table',
+                 'add --patchmix-table with a search\'s masks.json'),
+                (self.mixup_active, ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'),
+                 'timm\'s Mixup/CutMix of --mixup/--cutmix', 'add --mixup or --cutmix')):
+            given = [name for name in names if getattr(self, name) != _FIELDS[name].default]
+            if given and not on:
+                flags = [' '.join(filter(None, (_flag(n), _shown(getattr(self, n))))) for n in given]
+                one = len(flags) == 1
+                lines.append(f'{" and ".join(flags)} {"sets" if one else "set"} {what}, which is off in this run: '
+                             f'{"it changes" if one else "they change"} nothing ({remedy} to use '
+                             f'{"it" if one else "them"})')
+        return lines
 
     def _check_augment(self) -> None:
         """The augmentation flags together: ranges in order, no flag that another switches off, a policy timm

@@ -147,7 +147,7 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
                           f'{" and ".join(unused)} would be unused', unused[0])
     flags.update({k: v for k, v in (('crop_pct', cfg.crop_pct), ('interpolation', cfg.interpolation)) if v})
     data_config = resolve_data_config(flags, model=model, verbose=verbose)
-    if cfg.channels is not None:  # --in-chans alone: the model cfg's input_size names 3 channels
+    if cfg.channels is not None:  # for --in-chans alone, whose model cfg's input_size names 3 channels
         data_config['input_size'] = (cfg.channels, *data_config['input_size'][1:])
     return DataConfig.from_timm(data_config)
 

@@ -21,8 +21,9 @@ __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
 # settings its saved state brings back (loading an optimizer's state restores its weight decay, momentum, betas and
-# eps, whatever the flags say). The schedule, --epochs, --lr..., --checkpoint-hist may change on a resume; --model
-# and the class count come from the state's args.
+# eps, whatever the flags say), and what chooses the best epoch: the metric and the images it is measured on (the
+# saved best is a score of that metric on those images). The schedule, --epochs, --lr..., --checkpoint-hist may
+# change on a resume; --model and the class count come from the state's args.
 RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'opt_kwargs', 'layer_decay',
                    'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'mean', 'std', 'crop_pct',
                    'interpolation', 'model_kwargs', 'train_subset',
@@ -33,7 +34,7 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema', 'no_aug',
                    'scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob', 'remode', 'recount',
                    'train_interpolation', 'gp', 'bn_momentum', 'bn_eps', 'bce_loss', 'bce_sum', 'bce_target_thresh',
-                   'bce_pos_weight', 'aug_repeats')
+                   'bce_pos_weight', 'aug_repeats', 'eval_metric', 'val_split', 'val_subset')
 
 
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:

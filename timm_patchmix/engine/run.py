@@ -177,6 +177,34 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
     return optimizer, scheduler, num_epochs
 
 
+def _kind(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return repr(value) if value is None else 'bool'
+    if isinstance(value, (int, float)):
+        return 'number'
+    if isinstance(value, (list, tuple)):
+        return 'sequence of ' + ', '.join(_kind(v) for v in value)
+    return type(value).__name__
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, fresh: List[Dict[str, Any]]) -> None:
+    """A loaded optimizer state that the optimizer could step with: each setting of each group of the kind this
+    run's optimizer made it (a number, a flag, ``None``...), and each per-parameter tensor but the step count of its
+    parameter's shape (``load_state_dict`` checks neither, and the first step would fail deep in torch).
+    ``ValueError`` naming what differs."""
+    for i, (group, made) in enumerate(zip(optimizer.param_groups, fresh)):
+        for key, value in made.items():
+            # (a setting this torch leaves unset, None, may come back set by the torch that saved the state)
+            if key in group and value is not None and _kind(group[key]) != _kind(value):
+                raise ValueError(f'optimizer group {i} holds {key}={group[key]!r}, where this optimizer takes '
+                                 f'a {_kind(value)} ({value!r})')
+        for p in group['params']:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and key != 'step' and value.ndim and value.shape != p.shape:
+                    raise ValueError(f'optimizer state {key!r} of a parameter of shape {list(p.shape)} has shape '
+                                     f'{list(value.shape)}')
+
+
 def _out_dir(cfg: TrainConfig) -> str:
     import timm
     if cfg.resume and not cfg.experiment:
@@ -224,7 +252,9 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
         try:
             model.load_state_dict(start.model_state)
             if start.optimizer_state is not None:
+                fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
                 optimizer.load_state_dict(start.optimizer_state)
+                _check_optimizer_state(optimizer, fresh)
         except (RuntimeError, ValueError, KeyError) as e:  # tensors or groups that do not fit this model
             raise TrainSetupError(f'cannot resume from {cfg.resume}: its saved state does not fit the model and '
                                   f'optimizer of this run: {e}') from None
@@ -254,6 +284,8 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
                       f'{cfg.train_split!r}, seed {cfg.holdout_seed}) / {len(data.test)} test images'
                       if data.test is not None else f'{len(data.train)} train / {len(data.val)} val images')
             accum = f' x {cfg.grad_accum_steps} accumulated' if cfg.grad_accum_steps > 1 else ''
+            for line in cfg.unused_settings():
+                _say(rt, f'note: {line}')
             _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
                      f'epochs, batch {cfg.batch_size} x {rt.world_size}{accum}, lr {cfg.lr:g}, output {out_dir}')
         writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
@@ -319,6 +351,10 @@ def _test_best(cfg: TrainConfig, rt: Runtime, model: nn.Module, loaders: Loaders
     state, _ = load_weights(os.path.join(out_dir, 'best.safetensors'))
     model.load_state_dict(state)
     return _test_row(best['epoch'], validate(model, loaders.test, cfg, rt.device, stepper.autocast))
+
+
+# the files a run writes when it ends, of its best and final weights
+ENDED_FILES = ('results.json', 'fgsm.json')
 
 
 def _write_results(out_dir: str, cfg: TrainConfig, splits: Dict[str, Any], test: Dict[str, Dict[str, Any]],
@@ -387,12 +423,22 @@ class _EpochWriter:
     stepper: Stepper
     args_pending: bool = False  # a resume's args.yaml, written with its first saved epoch
     checkpoints: List[int] = field(default_factory=list)  # --checkpoint-hist: the epochs whose files are kept
+    ended_cleared: bool = False  # an earlier run's end-of-run files are gone
 
     def __call__(self, epoch: int, row: Dict[str, Any], improved: bool, rows: List[Dict[str, Any]],
                  best: Dict[str, Any]) -> None:
         if not self.rt.primary:
             return
         cfg = self.cfg
+        if not self.ended_cleared:
+            # results.json and fgsm.json describe the best and final weights of a run that ended in this folder
+            # (an earlier run, or the one this resumes); the weights change now, and this run writes its own at
+            # its end. Left, they would pass for this run's (the model card reads results.json)
+            for name in ENDED_FILES:
+                path = os.path.join(self.out_dir, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+            self.ended_cleared = True
         history = None
         if cfg.checkpoint_hist:
             history = checkpoint_history(rows, self.checkpoints, epoch, cfg.checkpoint_hist, cfg.eval_metric,

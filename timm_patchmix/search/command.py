@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointError
 from ..cli_types import directory, existing_file, optional_directory, positive_int
 from ..grid import grid_from_flag
-from ..settings import USAGE_ERROR, SettingsChangedError
+from ..settings import INTERRUPTED, USAGE_ERROR, SettingsChangedError
 from ..table import MaskTable
 from .config import FITNESS, SCORES, VALUE_TYPES, SearchConfig
 from .inputs import SearchError, SearchUsageError
@@ -160,4 +160,8 @@ def cli(argv: Optional[List[str]] = None) -> int:
     except SettingsChangedError as e:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:  # Ctrl-C: the state is written atomically after each generation
+        print('interrupted: the generations finished so far are saved in --output; go on from the last one with '
+              'the same command and --resume', file=sys.stderr)
+        return INTERRUPTED
     return 0

@@ -109,29 +109,25 @@ class ValidationData:
         return x.to(device)
 
 
-# datasets whose every evaluation split name opens one split: the embedded data, the IDX files, scikit-learn's
-# digits, and the torchvision sets timm opens with a train flag (train or not)
-ONE_EVAL_SPLIT = ('patchshapes', 'fashion_mnist', 'sklearn_digits')
-ONE_EVAL_SPLIT_TORCH = ('cifar10', 'cifar100', 'mnist', 'kmnist', 'fashion_mnist')
-
-
 def _is_test_split(dataset: str, data_dir: str, split: str, test_split: str) -> bool:
     """``split`` reads the test split ``test_split``: the same name, or (for a dataset whose evaluation names all
-    open one split, see ``ONE_EVAL_SPLIT``) any evaluation split."""
-    from ..data import is_train_split
-    prefix, sep, rest = dataset.partition('/')
-    one_eval_split = (dataset in ONE_EVAL_SPLIT or (dataset == '' and not data_dir)
-                      or (bool(sep) and prefix.lower() == 'torch' and rest.lower() in ONE_EVAL_SPLIT_TORCH))
-    return split == test_split or (one_eval_split and not is_train_split(split) and not is_train_split(test_split))
+    open one split, see :func:`~timm_patchmix.data.has_fixed_splits`) any evaluation split."""
+    from ..data import has_fixed_splits, is_train_split
+    return split == test_split or (has_fixed_splits(dataset, data_dir) and not is_train_split(split)
+                                   and not is_train_split(test_split))
 
 
 def _scored_split(cfg: SearchConfig, data: Dict[str, Any], dataset: str, data_dir: str) -> str:
     """The split the genes are scored on: ``--val-split``, else ``'holdout'`` for a checkpoint trained with a
     holdout, else the checkpoint's validation split. :class:`SearchUsageError` for a split the checkpoint cannot
     give or must not be scored on."""
+    from ..data import split_name_problem
     holdout = data.get('holdout')
     test_split = data.get('val_split', 'validation')
     split = cfg.val_split or (HOLDOUT if holdout else test_split)
+    problem = split_name_problem(dataset, data_dir, split) if cfg.val_split not in (None, HOLDOUT) else None
+    if problem:
+        raise SearchUsageError(f'--val-split {split}: {problem}')
     if split == HOLDOUT and not holdout:
         raise SearchUsageError(
             f'--val-split holdout: {cfg.checkpoint} was trained without --holdout, so it records no held-out '
