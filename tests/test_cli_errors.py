@@ -110,6 +110,8 @@ def test_out_of_range_numbers_exit_2_naming_flag_and_value(capsys, paths, cli, a
     ('train', ['--dataset', 'fashion_mnist', '--train-split', 'validation'],
      ["'validation' names the evaluation split of fashion_mnist"]),
     ('train', ['--dataset', 'torch/cifar10', '--val-split', 'tst'], ["'tst' is not a split of torch/cifar10"]),
+    ('train', ['--holdout', '0.2', '--val-split', 'training'], ["--val-split names the test split",
+                                                                "the training split 'train' here"]),
 ])
 def test_flag_combinations_exit_2(capsys, paths, cli, argv, names):
     fn, base = _cli(cli, paths[0])

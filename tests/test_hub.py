@@ -346,8 +346,14 @@ def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_pat
     with pytest.raises(CheckpointError, match='results.json'):
         hub.export_folder(ckpt, str(tmp_path / 'repo2'))
     assert not os.path.exists(tmp_path / 'repo2')
+    # held-out weights whose run has not written results.json yet (it has not ended): the protocol, no numbers
+    os.remove(os.path.join(res['output'], 'results.json'))
+    card = open(os.path.join(hub.export_folder(ckpt, str(tmp_path / 'repo_pending')), 'README.md')).read()
+    assert 'was held out and never trained on, and chose the best epoch' in card
+    assert 'has not written its test-split numbers' in card and 'no held-out split' not in card
     # a fresh run without --holdout into the same folder: the earlier run's results.json goes with its weights,
     # so the card of the new weights claims no held-out protocol
+    (tmp_path / 'rpm' / 'results.json').write_text(json.dumps(results))
     (tmp_path / 'rpm' / 'fgsm.json').write_text('{}')
     train_main(TINY + ['--output', str(tmp_path), '--experiment', 'rpm', '--patchmix'])
     assert not (tmp_path / 'rpm' / 'results.json').exists() and not (tmp_path / 'rpm' / 'fgsm.json').exists()

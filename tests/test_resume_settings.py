@@ -447,3 +447,12 @@ def test_train_resume_of_an_optimizer_state_it_could_not_step_with(trained, tmp_
                                          r'run: ' + message):
         resume_train(tmp_path, 'mixup', runs['mixup'])
     assert snapshot(tmp_path) == before
+
+
+def test_train_resume_of_an_adafactor_state(tmp_path):
+    """Adafactor's row and column statistics have shapes of their own: its state resumes (the shape check covers
+    the per-element entries only)."""
+    flags = ['--model', 'resnet8_cifar', '--opt', 'adafactor', '--lr', '0.01']
+    train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'af'] + flags)
+    res = resume_train(tmp_path, 'af', flags)
+    assert [r['epoch'] for r in res['rows']] == [0, 1]

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
 from .cli_types import directory
 from .locking import FolderBusyError, hold_folder
-from .settings import (USAGE_ERROR, SettingsChangedError, check_settings, read_record, read_settings,
+from .settings import (INTERRUPTED, USAGE_ERROR, SettingsChangedError, check_settings, read_record, read_settings,
                        write_settings)
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
@@ -726,6 +726,10 @@ def cli(argv=None) -> int:
     except (FolderBusyError, TaskRecordError, TaskConfigError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the tasks started here were stopped with it
+        print('interrupted: finished tasks and the epochs and generations saved so far are kept; the same command '
+              'goes on from there', file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == '__main__':

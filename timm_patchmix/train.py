@@ -468,8 +468,9 @@ def cli(argv: Optional[List[str]] = None) -> int:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:  # Ctrl-C: every file is written atomically, so the last saved epoch is whole
-        print('interrupted: the epochs finished so far are saved in the run folder; go on from the last one with '
-              'the same command and --resume <run folder>/state.safetensors', file=sys.stderr)
+        print('interrupted: the epochs finished so far are saved in the run folder (none if the first had not '
+              'ended); go on from the last one with the same command and --resume <run folder>/state.safetensors',
+              file=sys.stderr)
         return INTERRUPTED
     except NonFiniteLossError as e:  # the run diverged: a failed run, not a usage error
         print(f'error: {e}', file=sys.stderr)

@@ -387,13 +387,14 @@ class TrainConfig:
         if self.test_subset is not None and not self.holdout:
             raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
                               'epoch is evaluated on --val-split, which --val-subset caps')
-        from ..data import split_name_problem
+        from ..data import has_fixed_splits, is_train_split, split_name_problem
         for flag, split, training in (('--train-split', self.train_split, True),
                                       ('--val-split', self.val_split, False)):
             problem = split_name_problem(self.dataset, self.data_dir, split, training)
             if problem:
                 raise ConfigError(problem, flag)
-        if self.holdout and self.val_split == self.train_split:
+        if self.holdout and (self.val_split == self.train_split or (
+                has_fixed_splits(self.dataset, self.data_dir) and is_train_split(self.val_split))):
             raise ConfigError(f'with --holdout, --val-split names the test split, evaluated once at the end; it is '
                               f'the training split {self.train_split!r} here. Name the dataset\'s test split')
         if self.cutmix_minmax is not None and self.cutmix_minmax[0] > self.cutmix_minmax[1]:

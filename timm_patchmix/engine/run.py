@@ -187,11 +187,17 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+# optimizer state entries that hold one value per element of their parameter (SGD's momentum, Adam's moments,
+# RMSprop's and Adagrad's sums...); others have shapes of their own (Adafactor's row and column statistics)
+PER_ELEMENT_STATE = ('momentum_buffer', 'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'square_avg', 'grad_avg',
+                     'acc_delta', 'sum', 'exp_inf')
+
+
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, fresh: List[Dict[str, Any]]) -> None:
     """A loaded optimizer state that the optimizer could step with: each setting of each group of the kind this
-    run's optimizer made it (a number, a flag, ``None``...), and each per-parameter tensor but the step count of its
-    parameter's shape (``load_state_dict`` checks neither, and the first step would fail deep in torch).
-    ``ValueError`` naming what differs."""
+    run's optimizer made it (a number, a flag, ``None``...), and each per-element tensor
+    (:data:`PER_ELEMENT_STATE`) of its parameter's shape (``load_state_dict`` checks neither, and the first step
+    would fail deep in torch). ``ValueError`` naming what differs."""
     for i, (group, made) in enumerate(zip(optimizer.param_groups, fresh)):
         for key, value in made.items():
             # (a setting this torch leaves unset, None, may come back set by the torch that saved the state)
@@ -200,7 +206,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, fresh: List[Dict[st
                                  f'a {_kind(value)} ({value!r})')
         for p in group['params']:
             for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and key != 'step' and value.ndim and value.shape != p.shape:
+                if key in PER_ELEMENT_STATE and isinstance(value, torch.Tensor) and value.shape != p.shape:
                     raise ValueError(f'optimizer state {key!r} of a parameter of shape {list(p.shape)} has shape '
                                      f'{list(value.shape)}')
 

@@ -55,9 +55,18 @@ def read_results(checkpoint: str) -> Optional[Dict[str, Any]]:
     return out
 
 
-def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]]) -> list:
+def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]],
+                   holdout: Optional[Dict[str, Any]] = None) -> list:
     """The card's "Metrics" section: with a held-out split, the test split's numbers and how the best epoch was
-    chosen; without, the numbers of the split the epochs were evaluated on, said to be no held-out test number."""
+    chosen; without, the numbers of the split the epochs were evaluated on, said to be no held-out test number.
+    ``holdout`` (the weights' record of their held-out split) without ``results`` is a run that has not written
+    its test numbers (it has not ended): the section says so, and gives no number as a test number."""
+    if results is None and holdout:
+        return ['', '## Metrics', '',
+                f'Protocol: a fixed {float(holdout.get("fraction", 0)) * 100:g}% of the training split (seed '
+                f'{holdout.get("seed")}) was held out and never trained on, and chose the best epoch. The run that '
+                'made these weights has not written its test-split numbers (`results.json`, written when a run '
+                'ends), so this card gives none.']
     if results is not None:
         h = results['holdout']
         return ['', '## Metrics', '',
@@ -119,7 +128,7 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
     ]
     if meta.get('command'):
         lines += [f'- command: `{meta["command"]}`']
-    lines += protocol_lines(metrics, results)
+    lines += protocol_lines(metrics, results, data.get('holdout'))
     if table:
         names = table.get('class_names') or [str(i) for i in range(int(table.get('num_classes', 0)))]
         best = table.get('best_fitness')
