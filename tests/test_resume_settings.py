@@ -456,3 +456,23 @@ def test_train_resume_of_an_adafactor_state(tmp_path):
     train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'af'] + flags)
     res = resume_train(tmp_path, 'af', flags)
     assert [r['epoch'] for r in res['rows']] == [0, 1]
+
+
+def test_train_resume_of_a_lamb_state(tmp_path):
+    """timm's Lamb keeps its step count as a tensor in its parameter group: the state stores it as a tensor of the
+    file (JSON cannot hold it) and a resume gives it back, equal to the saved one."""
+    from timm_patchmix.checkpoint import load_state
+    flags = ['--model', 'resnet8_cifar', '--opt', 'lamb', '--lr', '0.01']
+    train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'lamb'] + flags)
+    state = load_state(str(tmp_path / 'lamb' / 'state.safetensors'))
+    step = state['optimizer']['param_groups'][0]['step']
+    assert isinstance(step, torch.Tensor) and float(step) == 2.0  # 32 images in batches of 16: 2 updates
+    res = resume_train(tmp_path, 'lamb', flags)
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+    again = load_state(str(tmp_path / 'lamb' / 'state.safetensors'))
+    assert float(again['optimizer']['param_groups'][0]['step']) == 4.0
+    # a record naming a group the state does not have is refused before anything is loaded
+    _rewrite_meta(str(tmp_path / 'lamb' / 'state.safetensors'),
+                  lambda meta, t: meta['optimizer'].__setitem__('group_tensors', {'7': ['step']}))
+    with pytest.raises(SystemExit, match=r"optimizer.group_tensors keys must be group indices below \d+, got '7'"):
+        resume_train(tmp_path, 'lamb', flags, epochs=3)

@@ -246,10 +246,18 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
             if not idx.isdigit():
                 f.fail('optimizer.state keys', 'parameter indices', idx)
             f.dict(entry, f'optimizer.state.{idx}')
-        for k, group in enumerate(f.list(om.get('param_groups'), 'optimizer.param_groups')):
+        groups = f.list(om.get('param_groups'), 'optimizer.param_groups')
+        for k, group in enumerate(groups):
             f.dict(group, f'optimizer.param_groups[{k}]')
             for j, p in enumerate(f.list(group.get('params'), f'optimizer.param_groups[{k}].params')):
                 f.int(p, f'optimizer.param_groups[{k}].params[{j}]', lo=0)
+        if om.get('group_tensors') is not None:
+            for k, names in f.dict(om['group_tensors'], 'optimizer.group_tensors').items():
+                if not k.isdigit() or int(k) >= len(groups):
+                    f.fail('optimizer.group_tensors keys', f'group indices below {len(groups)}', k)
+                for j, name in enumerate(f.list(names, f'optimizer.group_tensors.{k}')):
+                    if f.str(name, f'optimizer.group_tensors.{k}[{j}]') not in groups[int(k)]:
+                        f.fail(f'optimizer.group_tensors.{k}[{j}]', 'a setting of its group', name)
     rng = f.dict(meta.get('rng'), 'rng')
     np_state = f.list(rng.get('numpy'), 'rng.numpy', 4)
     f.str(np_state[0], 'rng.numpy[0]')
@@ -324,14 +332,31 @@ def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[
             else:
                 entry[name] = v
         state_meta[str(idx)] = entry
-    return tensors, {'state': state_meta, 'param_groups': sd['param_groups']}
+    # a group setting held as a tensor (timm's Lamb counts its steps in one): a tensor of the file, named in
+    # 'group_tensors', as None can be a group's own value
+    groups, group_tensors = [], {}
+    for k, group in enumerate(sd['param_groups']):
+        names = [name for name, v in group.items() if isinstance(v, torch.Tensor)]
+        for name in names:
+            tensors[f'optim_group.{k}.{name}'] = group[name]
+        groups.append({name: None if name in names else v for name, v in group.items()})
+        if names:
+            group_tensors[str(k)] = names
+    out = {'state': state_meta, 'param_groups': groups}
+    if group_tensors:
+        out['group_tensors'] = group_tensors
+    return tensors, out
 
 
 def _join_optimizer(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Dict[str, Any]:
     state = {}
     for idx, entry in meta['state'].items():
         state[int(idx)] = {name: tensors[f'optim.{idx}.{name}'] if v is None else v for name, v in entry.items()}
-    return {'state': state, 'param_groups': meta['param_groups']}
+    groups = [dict(g) for g in meta['param_groups']]
+    for k, names in (meta.get('group_tensors') or {}).items():
+        for name in names:
+            groups[int(k)][name] = tensors[f'optim_group.{k}.{name}']
+    return {'state': state, 'param_groups': groups}
 
 
 def save_state(path: str, model_state: Dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer],
