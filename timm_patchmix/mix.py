@@ -643,10 +643,9 @@ class PatchMix:
         if src_x is not None and (not isinstance(src_x, torch.Tensor) or src_x.shape[1:] != x.shape[1:]):
             got = list(src_x.shape) if isinstance(src_x, torch.Tensor) else type(src_x).__name__
             raise ValueError(f'source images must have shape [N, {", ".join(map(str, x.shape[1:]))}], got {got}')
-        if src_x is not None:
-            _check_source_dtype(x, src_x)
-            if src_t is None:
-                raise ValueError('source targets are missing: source must be (images [N, C, H, W], targets [N])')
+        # (a source of another dtype is refused where cells are copied, in mix_cells_ and _select, before any write)
+        if src_x is not None and src_t is None:
+            raise ValueError('source targets are missing: source must be (images [N, C, H, W], targets [N])')
         params.validate(b, None if src_x is None else src_x.shape[0])
         if params.grid != self.grid:
             raise ValueError(f'params are for a {params.grid[0]}x{params.grid[1]} grid but this mixer uses '

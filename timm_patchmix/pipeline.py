@@ -630,11 +630,9 @@ def _train_args_compared(train_args: List[str]) -> List[str]:
     import io
     from .train import build_parser as train_parser
     parser = train_parser()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS  # only what the flags set ends up in the namespace
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            given = vars(parser.parse_args(list(train_args)))
+            given = _set_by(parser, list(train_args))
     except SystemExit:
         return list(train_args)
     out = []
@@ -648,12 +646,18 @@ def _train_args_compared(train_args: List[str]) -> List[str]:
     return sorted(out)
 
 
+def _set_by(parser: argparse.ArgumentParser, flags: List[str]) -> Dict[str, Any]:
+    """``{dest: value}`` of the options that ``flags`` set, as ``parser`` (which this makes default-free) reads
+    them; argparse's usage error (SystemExit) for flags it refuses."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # only what the flags set ends up in the namespace
+    return vars(parser.parse_args(flags))
+
+
 def _given_flags(parser: argparse.ArgumentParser, flags: List[str]) -> Dict[str, str]:
     """``{dest: option string}`` of each option in ``flags`` as ``parser`` resolves it (abbreviations and
     ``--flag=value`` included, as argparse reads them; a positional gets its metavar)."""
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS  # only what the flags set ends up in the namespace
-    given = vars(parser.parse_args(flags))
+    given = _set_by(parser, flags)
     names = {}
     for action in parser._actions:
         if action.dest in given:
