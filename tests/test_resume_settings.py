@@ -476,3 +476,30 @@ def test_train_resume_of_a_lamb_state(tmp_path):
                   lambda meta, t: meta['optimizer'].__setitem__('group_tensors', {'7': ['step']}))
     with pytest.raises(SystemExit, match=r"optimizer.group_tensors keys must be group indices below \d+, got '7'"):
         resume_train(tmp_path, 'lamb', flags, epochs=3)
+
+
+def test_train_resume_of_a_big_vision_adafactor_state_is_bit_exact(tmp_path):
+    """timm's big-vision Adafactor keeps a dtype in its parameter group: the state stores it (it could not save at
+    all before) and a resume ends where an uninterrupted run does."""
+    from safetensors.torch import load_file
+    from timm_patchmix.checkpoint import load_state
+    flags = ['--model', 'resnet8_cifar', '--opt', 'adafactorbv', '--lr', '0.01']
+    full = train_main(TINY + ['--epochs', '2', '--output', str(tmp_path), '--experiment', 'full'] + flags)
+    train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'part'] + flags)
+    group = load_state(str(tmp_path / 'part' / 'state.safetensors'))['optimizer']['param_groups'][0]
+    assert group['momentum_dtype'] == torch.bfloat16
+    res = resume_train(tmp_path, 'part', flags)
+    assert [dict(r, img_s=0) for r in res['rows']] == [dict(r, img_s=0) for r in full['rows']]
+    a, b = (load_file(str(tmp_path / name / 'last.safetensors')) for name in ('full', 'part'))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.filterwarnings('ignore:Using backward\\(\\) with create_graph=True')
+def test_train_with_a_second_order_optimizer(tmp_path):
+    """timm's AdaHessian differentiates the gradients again: the step keeps their graph (create_graph, as timm's
+    train.py does), the run trains and resumes."""
+    flags = ['--model', 'resnet8_cifar', '--opt', 'adahessian', '--lr', '0.01']
+    res = train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'ah'] + flags)
+    assert np.isfinite(res['rows'][0]['train_loss'])
+    res = resume_train(tmp_path, 'ah', flags)
+    assert [r['epoch'] for r in res['rows']] == [0, 1] and np.isfinite(res['rows'][1]['train_loss'])

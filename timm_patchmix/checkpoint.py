@@ -258,6 +258,24 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
                 for j, name in enumerate(f.list(names, f'optimizer.group_tensors.{k}')):
                     if f.str(name, f'optimizer.group_tensors.{k}[{j}]') not in groups[int(k)]:
                         f.fail(f'optimizer.group_tensors.{k}[{j}]', 'a setting of its group', name)
+        for key, v in f.dict(om.get('extra', {}), 'optimizer.extra').items():
+            if key in ('state', 'param_groups'):
+                f.fail('optimizer.extra keys', 'names other than state and param_groups', key)
+            _check_encoded(f, v, f'optimizer.extra.{key}')
+        if om.get('encoded') is not None:
+            enc = f.dict(om['encoded'], 'optimizer.encoded')
+            for where in enc:
+                if where not in ('state', 'param_groups'):
+                    f.fail('optimizer.encoded keys', "'state' or 'param_groups'", where)
+            for where, entries in (('state', om['state']), ('param_groups', dict(enumerate(groups)))):
+                for k, names in f.dict(enc.get(where, {}), f'optimizer.encoded.{where}').items():
+                    entry = entries.get(int(k) if where == 'param_groups' and k.isdigit() else k)
+                    if entry is None:
+                        f.fail(f'optimizer.encoded.{where} keys', f'entries of optimizer.{where}', k)
+                    for j, name in enumerate(f.list(names, f'optimizer.encoded.{where}.{k}')):
+                        if f.str(name, f'optimizer.encoded.{where}.{k}[{j}]') not in entry:
+                            f.fail(f'optimizer.encoded.{where}.{k}[{j}]', f'a name of optimizer.{where}.{k}', name)
+                        _check_encoded(f, entry[name], f'optimizer.{where}.{k}.{name}')
     rng = f.dict(meta.get('rng'), 'rng')
     np_state = f.list(rng.get('numpy'), 'rng.numpy', 4)
     f.str(np_state[0], 'rng.numpy[0]')
@@ -321,8 +339,78 @@ def set_rng_state(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Non
     random.setstate((version, tuple(internal), gauss_next))
 
 
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def _is_json(v: Any) -> bool:
+    """A value JSON gives back as it was (a tuple would come back a list)."""
+    if isinstance(v, list):
+        return all(_is_json(x) for x in v)
+    return isinstance(v, _JSON_SCALARS)
+
+
+def _encode(v: Any, name: str, tensors: Dict[str, torch.Tensor]) -> Any:
+    """An optimizer value JSON cannot hold, as JSON: a tensor becomes ``{'tensor': <its name in the file>}`` (added to
+    ``tensors``), a dtype ``{'dtype': 'bfloat16'}``, a list or tuple ``{'list'|'tuple': [items]}``; scalars stay."""
+    if isinstance(v, torch.Tensor):
+        tensors[name] = v
+        return {'tensor': name}
+    if isinstance(v, torch.dtype):
+        return {'dtype': str(v).replace('torch.', '')}
+    if isinstance(v, (list, tuple)):
+        return {type(v).__name__: [_encode(x, f'{name}.{i}', tensors) for i, x in enumerate(v)]}
+    if isinstance(v, _JSON_SCALARS):
+        return v
+    raise TypeError(f'the optimizer holds a {type(v).__name__} ({name}), which a training state cannot store')
+
+
+def _decode(v: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if not isinstance(v, dict):
+        return v
+    (kind, value), = v.items()
+    if kind == 'tensor':
+        return tensors[value]
+    if kind == 'dtype':
+        return getattr(torch, value)
+    items = [_decode(x, tensors) for x in value]
+    return tuple(items) if kind == 'tuple' else items
+
+
+def _check_encoded(f: Fields, v: Any, name: str) -> None:
+    """An :func:`_encode`-d value of a state's metadata, well formed (the tensors it names are looked up on load)."""
+    if isinstance(v, _JSON_SCALARS):
+        return
+    d = f.dict(v, name)
+    if len(d) != 1 or next(iter(d)) not in ('tensor', 'dtype', 'list', 'tuple'):
+        f.fail(name, "one of {'tensor': name}, {'dtype': name}, {'list': [...]}, {'tuple': [...]}", v)
+    (kind, value), = d.items()
+    if kind == 'tensor':
+        f.str(value, f'{name}.tensor')
+    elif kind == 'dtype':
+        if not isinstance(getattr(torch, f.str(value, f'{name}.dtype'), None), torch.dtype):
+            f.fail(f'{name}.dtype', 'a torch dtype', value)
+    else:
+        for i, x in enumerate(f.list(value, f'{name}.{kind}')):
+            _check_encoded(f, x, f'{name}.{kind}[{i}]')
+
+
 def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    tensors, state_meta = {}, {}
+    """An optimizer's state dict as file tensors plus JSON. A tensor of a parameter's state is the file's
+    ``optim.<index>.<name>`` (None in the JSON); a tensor setting of a group (timm's Lamb counts its steps in one) is
+    ``optim_group.<group>.<name>``, named in ``group_tensors``; any other value JSON cannot hold as it is (a tuple:
+    Adam's betas; a dtype: timm's big-vision Adafactor; a list of tensors: timm's Kron) is :func:`_encode`-d and
+    named in ``encoded``; entries of the state dict besides ``state`` and ``param_groups`` (Kron's random generator
+    state) are ``extra``, encoded."""
+    tensors: Dict[str, torch.Tensor] = {}
+    state_meta: Dict[str, Any] = {}
+    encoded: Dict[str, Dict[str, List[str]]] = {'state': {}, 'param_groups': {}}
+
+    def plain(v: Any, where: str, key: str, name: str, prefix: str) -> Any:
+        if _is_json(v):
+            return v
+        encoded[where].setdefault(key, []).append(name)
+        return _encode(v, f'{prefix}.{key}.{name}', tensors)
+
     for idx, st in sd['state'].items():
         entry = {}
         for name, v in st.items():
@@ -330,21 +418,26 @@ def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[
                 tensors[f'optim.{idx}.{name}'] = v
                 entry[name] = None
             else:
-                entry[name] = v
+                entry[name] = plain(v, 'state', str(idx), name, 'optim')
         state_meta[str(idx)] = entry
-    # a group setting held as a tensor (timm's Lamb counts its steps in one): a tensor of the file, named in
-    # 'group_tensors', as None can be a group's own value
     groups, group_tensors = [], {}
     for k, group in enumerate(sd['param_groups']):
         names = [name for name, v in group.items() if isinstance(v, torch.Tensor)]
         for name in names:
             tensors[f'optim_group.{k}.{name}'] = group[name]
-        groups.append({name: None if name in names else v for name, v in group.items()})
+        groups.append({name: None if name in names else plain(v, 'param_groups', str(k), name, 'optim_group')
+                       for name, v in group.items()})
         if names:
             group_tensors[str(k)] = names
-    out = {'state': state_meta, 'param_groups': groups}
+    out: Dict[str, Any] = {'state': state_meta, 'param_groups': groups}
+    extra = {key: _encode(v, f'optim_extra.{key}', tensors) for key, v in sd.items()
+             if key not in ('state', 'param_groups')}
+    if extra:
+        out['extra'] = extra
     if group_tensors:
         out['group_tensors'] = group_tensors
+    if encoded['state'] or encoded['param_groups']:
+        out['encoded'] = {k: v for k, v in encoded.items() if v}
     return tensors, out
 
 
@@ -356,7 +449,16 @@ def _join_optimizer(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> D
     for k, names in (meta.get('group_tensors') or {}).items():
         for name in names:
             groups[int(k)][name] = tensors[f'optim_group.{k}.{name}']
-    return {'state': state, 'param_groups': groups}
+    encoded = meta.get('encoded') or {}
+    for idx, names in (encoded.get('state') or {}).items():
+        for name in names:
+            state[int(idx)][name] = _decode(state[int(idx)][name], tensors)
+    for k, names in (encoded.get('param_groups') or {}).items():
+        for name in names:
+            groups[int(k)][name] = _decode(groups[int(k)][name], tensors)
+    out = {'state': state, 'param_groups': groups}
+    out.update({key: _decode(v, tensors) for key, v in (meta.get('extra') or {}).items()})
+    return out
 
 
 def save_state(path: str, model_state: Dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer],

@@ -110,11 +110,13 @@ def train_step(s: Stepper, x: torch.Tensor, target: torch.Tensor, *, accum: int 
             s.optimizer.zero_grad(set_to_none=True)
         clip = cfg.clip_grad or None
         params = clip_parameters(s.model, cfg.clip_mode) if clip and update else None
+        # a second-order optimizer (timm's AdaHessian) differentiates the gradients again: their graph is kept
+        second_order = bool(getattr(s.optimizer, 'is_second_order', False))
         if s.scaler is not None:
             s.scaler(part, s.optimizer, clip_grad=clip, clip_mode=cfg.clip_mode, parameters=params,
-                     need_update=update)
+                     create_graph=second_order, need_update=update)
         else:
-            part.backward()
+            part.backward(create_graph=second_order)
             if update:
                 if clip:
                     dispatch_clip_grad(params, clip, mode=cfg.clip_mode)
