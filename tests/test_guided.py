@@ -92,6 +92,10 @@ def test_table_validation_against_the_run(tmp_path, capsys):
     t.save(path)
     with pytest.raises(MaskTableError, match='4x4 grid, this run uses 2x2'):
         GuidedPatchMix(path, grid=2)
+    for grid in (2, (2, 2), [4, 2]):  # P or (rows, cols), as everywhere
+        with pytest.raises(MaskTableError, match=f'4x4 grid, this run uses {"4x2" if grid == [4, 2] else "2x2"}'):
+            MaskTable.load(path, grid=grid)
+    assert MaskTable.load(path, grid=4).grid == MaskTable.load(path, grid=(4, 4)).grid == (4, 4)
     with pytest.raises(MaskTableError, match='another dataset'):
         GuidedPatchMix(path, fingerprint='0000')
     with pytest.raises(ValueError, match='sum to at most 1'):
@@ -218,6 +222,23 @@ def test_remembered_images_of_another_dtype_or_size_are_no_partners(first, secon
     # the next class-1 batch of the new kind does find its partner in memory: a 3 from the remembered class 0
     out, _ = gm(torch.full((1, *second.shape[1:]), 9, dtype=second.dtype), torch.tensor([1]))
     assert gm.last_counts['guided'] == 1 and set(out.flatten().tolist()) == {3.0, 9.0}
+
+
+def test_remembered_images_carry_no_autograd_history():
+    """A batch autograd follows (a differentiable augmentation before the mixer) enters the class memory as plain
+    images: later batches mixed with them neither require grad nor send gradients back into the old batch (its
+    second backward through a freed graph failed, and each remembered graph stayed alive)."""
+    gm = GuidedPatchMix(_pair_table(), guided_prob=1.0, random_prob=0.0)
+    leaf = torch.full((2, 1, 4, 4), 7.0, requires_grad=True)
+    gm(leaf * 1.0, torch.tensor([1, 1]))
+    assert not gm.memory.images.requires_grad and gm.memory.images.grad_fn is None
+    w = torch.nn.Parameter(torch.ones(()))
+    for _ in range(2):
+        out, _ = gm(torch.full((1, 1, 4, 4), 3.0), torch.tensor([0]))
+        assert gm.last_counts['guided'] == 1 and set(out.flatten().tolist()) == {3.0, 7.0}
+        assert not out.requires_grad
+        (out * w).sum().backward()
+    assert leaf.grad is None and float(w.grad) == 2 * (8 * 3.0 + 8 * 7.0)
 
 
 def test_bad_labels_leave_a_memory_of_another_kind_as_it_was():

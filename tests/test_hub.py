@@ -617,3 +617,46 @@ def test_bad_config_fields_are_checkpoint_errors_naming_the_field(tmp_path, fiel
     if sub:
         with pytest.raises(CheckpointError, match=expected):
             timm.create_model(f'local-dir:{folder}', pretrained=True)
+
+
+def test_a_checkpoint_loads_with_the_data_config_it_was_trained_with(tmp_path):
+    """``model_from_weights`` (and so ``load_backbone``, ``export_backbone`` and every tool that loads a
+    checkpoint) gives the model the input size and normalisation its checkpoint records, so timm's
+    ``resolve_model_data_config`` preprocesses as the training did (it gave the architecture's defaults)."""
+    from timm.data import resolve_model_data_config
+    from timm_patchmix.checkpoint import save_weights
+    model = timm.create_model('patchhead_resnet8_cifar', num_classes=10)
+    data = {'dataset': '', 'input_size': [3, 48, 48], 'mean': [0.5, 0.5, 0.5], 'std': [0.25, 0.25, 0.25],
+            'interpolation': 'bicubic', 'crop_pct': 1.0}
+    path = str(tmp_path / 'best.safetensors')
+    save_weights(path, model.state_dict(), {'model': 'patchhead_resnet8_cifar', 'num_classes': 10,
+                                            'model_kwargs': {}, 'data': data})
+    want = {'input_size': (3, 48, 48), 'mean': (0.5, 0.5, 0.5), 'std': (0.25, 0.25, 0.25),
+            'interpolation': 'bicubic', 'crop_pct': 1.0}
+    loaded, _ = hub.model_from_weights(path)
+    plain = hub.load_backbone(path)
+    for m in (loaded, plain):
+        got = resolve_model_data_config(m)
+        assert {k: got[k] for k in want} == want
+    assert loaded.pretrained_cfg['architecture'] == 'patchhead_resnet8_cifar'  # the rest of the cfg stays
+    out = hub.export_backbone(path, str(tmp_path / 'plain.safetensors'))
+    assert {k: load_weights(out)[1]['data'][k] for k in ('input_size', 'mean', 'std')} == \
+        {'input_size': [3, 48, 48], 'mean': [0.5] * 3, 'std': [0.25] * 3}
+    # the Hub folder says the same, so a model from it resolves alike
+    folder = hub.export_folder(path, str(tmp_path / 'repo'))
+    got = resolve_model_data_config(timm.create_model(f'local-dir:{folder}', pretrained=True))
+    assert {k: tuple(v) if isinstance(v, list) else v for k, v in got.items() if k in want} == want
+
+
+def test_the_backbone_of_a_model_built_with_create_patchhead_keeps_its_build_arguments():
+    """``load_backbone`` of a model made by ``create_patchhead`` (timm records the build arguments on its
+    backbone only) builds the plain model with them: the same pooling, the same logits (it fell back to the
+    architecture's defaults)."""
+    from timm_patchmix import create_patchhead
+    torch.manual_seed(0)
+    model = create_patchhead('resnet8_cifar', num_classes=5, global_pool='max').eval()
+    plain = hub.load_backbone(model).eval()
+    assert plain.global_pool.pool_type == 'max'
+    with torch.no_grad():
+        x = images()
+        assert torch.equal(plain(x), model(x))

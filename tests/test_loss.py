@@ -179,6 +179,36 @@ def test_a_packed_target_of_another_grid_and_class_count_but_the_same_width_is_r
     assert torch.allclose(PatchMixLoss()((logits, patch), packed), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize('bce, image_loss', [(False, True), (True, True), (False, False)])
+def test_a_packed_target_of_a_transposed_grid_is_refused_when_the_loss_knows_the_models_grid(bce, image_loss):
+    """A 4x3 grid packs as wide as a 3x4 one (same cells, same classes): with ``grid`` the loss refuses a target
+    of the other one (each cell would be scored against another region), on the one-pass path and on the split
+    path (BCE, patch term alone); with the model's own grid it scores as without ``grid``; without ``grid`` only
+    the cell count can be checked (as before)."""
+    _, packed = PatchMix(grid=(4, 3), num_classes=5)(torch.rand(4, 3, 12, 12), torch.randint(0, 5, (4,)))
+    out = (torch.randn(4, 5), torch.randn(4, 12, 5))
+    kw = dict(bce=bce, image_loss=image_loss)
+    with pytest.raises(ValueError, match=r'packed target was built for a 4x3 grid, (but the loss is for the model\'s '
+                                         r'3x4 grid|not 3x4)'):
+        PatchMixLoss(grid=(3, 4), **kw)(out, packed)
+    assert torch.equal(PatchMixLoss(grid=(4, 3), **kw)(out, packed), PatchMixLoss(**kw)(out, packed))
+    assert 'grid=(4, 3)' in repr(PatchMixLoss(grid=(4, 3)))
+    with pytest.raises(ValueError, match='grid'):
+        PatchMixLoss(grid=(0, 3))
+
+
+def test_train_py_gives_the_loss_the_models_grid():
+    import timm
+    import timm_patchmix  # noqa: F401
+    from timm_patchmix.engine.config import TrainConfig, resolve
+    from timm_patchmix.engine.run import _criterion
+    for name, grid in (('patchhead_resnet8_cifar', (4, 3)), ('resnet8_cifar', None)):
+        model = timm.create_model(name, num_classes=10, **({'grid': grid} if grid else {}))
+        cfg = resolve(TrainConfig(model=name, patchmix=True).with_recipe(), model=model, num_classes=10,
+                      data_config=timm.data.resolve_data_config({}, model=model))
+        assert _criterion(cfg).grid == grid  # a plain model gives no patch logits: no grid to check
+
+
 def test_switches_must_be_bools_and_targets_may_be_lists():
     for name in ('image_loss', 'patch_loss', 'bce', 'bce_sum'):
         with pytest.raises(ValueError, match=rf"^{name} must be True or False, got 'no'$"):

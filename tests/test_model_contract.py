@@ -458,6 +458,9 @@ def test_torchscript(arch, kwargs, size, grid, per_position):
     got, want = run(scripted.train(), x), run(model.train(), x)
     assert isinstance(got, tuple) and len(got) == 2
     assert_same(got, want, exact=False)
+    # forward_patches is a method of the scripted model too (a patch-loss-only model predicts with it)
+    with torch.no_grad():
+        assert_same(scripted.eval().forward_patches(x), model.eval().forward_patches(x), exact=False)
 
 
 def test_scripted_region_weights_equal_eager():

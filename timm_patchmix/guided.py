@@ -57,7 +57,8 @@ class ClassMemory:
         idx, cls, rank = order[keep], sorted_lab[keep], rank[keep] - (counts[sorted_lab[keep]] - self.size).clamp(min=0)
         slots = (self.next[cls] + rank) % self.size
         dev = x.device
-        self.images[cls.to(dev), slots.to(dev)] = x[idx.to(dev)]
+        # (without the batch's autograd history: a later batch mixed with these images must not reach it)
+        self.images[cls.to(dev), slots.to(dev)] = x[idx.to(dev)].detach()
         added = torch.bincount(cls, minlength=self.num_classes)
         self.next = (self.next + added) % self.size
         self.count = torch.clamp(self.count + added, max=self.size)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .grid import GridSpec, to_grid
 from .mix import _HEADER, _number, is_packed_target, soft_target, split_target
 
 __all__ = ['PatchMixLoss', 'packed_loss', 'soft_cross_entropy', 'binary_cross_entropy']
@@ -57,11 +58,14 @@ class PatchMixLoss(nn.Module):
             the cells' BCE, as L_P / P^2 is of their cross-entropy.
         bce_target_thresh, bce_sum, bce_pos_weight: timm's ``target_threshold``, ``sum_classes`` and
             ``pos_weight`` of the BCE.
+        grid: the model's grid (``model.grid``), when known: a packed target of another grid with as many cells
+            (a transposed 3x4 for a 4x3 model) is then refused, not scored against the wrong regions. Without
+            it the header's cell count is checked, which cannot tell such grids apart. ``train.py`` passes it.
     """
 
     def __init__(self, image_loss: bool = True, patch_loss: bool = True, patch_weight: float = 1.0,
                  smoothing: float = 0.0, bce: bool = False, bce_target_thresh: Optional[float] = None,
-                 bce_sum: bool = False, bce_pos_weight: Optional[float] = None):
+                 bce_sum: bool = False, bce_pos_weight: Optional[float] = None, grid: Optional[GridSpec] = None):
         super().__init__()
         for name, value in (('image_loss', image_loss), ('patch_loss', patch_loss), ('bce', bce),
                             ('bce_sum', bce_sum)):
@@ -81,12 +85,15 @@ class PatchMixLoss(nn.Module):
         self.bce_pos_weight = None if bce_pos_weight is None else _number(bce_pos_weight, 'bce_pos_weight', 0.0)
         if not self.bce and (self.bce_target_thresh is not None or self.bce_sum or self.bce_pos_weight is not None):
             raise ValueError('bce_target_thresh, bce_sum and bce_pos_weight set the BCE of bce=True')
+        self.grid = None if grid is None else to_grid(grid)
         # the target layouts whose packed header was read on an accelerator (see _check_header)
         self._headers_read: Set[tuple] = set()
 
     def extra_repr(self) -> str:
         text = (f'image_loss={self.image_loss}, patch_loss={self.patch_loss}, patch_weight={self.patch_weight}, '
                 f'smoothing={self.smoothing}')
+        if self.grid is not None:
+            text += f', grid={self.grid}'
         if self.bce:
             text += (f', bce=True, bce_target_thresh={self.bce_target_thresh}, bce_sum={self.bce_sum}, '
                      f'bce_pos_weight={self.bce_pos_weight}')
@@ -108,6 +115,10 @@ class PatchMixLoss(nn.Module):
                             or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
         rows, cols = (int(v) for v in target[0, :2].tolist())
+        if self.grid is not None and (rows, cols) != self.grid and rows * cols == ncell:
+            raise ValueError(f'packed target was built for a {rows}x{cols} grid, but the loss is for the model\'s '
+                             f'{self.grid[0]}x{self.grid[1]} grid: its cells would be scored against other regions; '
+                             f'mix with the grid of the model')
         if rows * cols != ncell:
             packed_c = (target.shape[1] - _HEADER - rows * cols) / 2
             raise ValueError(f'packed target was built for a {rows}x{cols} grid ({rows * cols} cells) and '
@@ -160,7 +171,7 @@ class PatchMixLoss(nn.Module):
             if ncell is not None and not is_packed_target(target, c, ncell):
                 raise ValueError(f'target of shape {list(target.shape)} is neither class indices, a [B, {c}] '
                                  f'soft target, nor a packed target for {c} classes and {ncell} cells')
-            image_t, patch_t = split_target(target)
+            image_t, patch_t = split_target(target, self.grid if use_patch else None)
             if image_t.shape[1] != c:
                 raise ValueError(f'packed target holds {image_t.shape[1]} classes but the logits have {c}')
 

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .checkpoint import atomic_write_text
+from .grid import GridSpec, to_grid
 from .validation import Fields, is_int, is_number
 
 __all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION']
@@ -152,9 +153,11 @@ class MaskTable:
         return self._from_doc(doc, Fields('mask table', MaskTableError))
 
     @classmethod
-    def load(cls, path: str, *, grid: Optional[Tuple[int, int]] = None, num_classes: Optional[int] = None,
+    def load(cls, path: str, *, grid: Optional[GridSpec] = None, num_classes: Optional[int] = None,
              fingerprint: Optional[str] = None) -> 'MaskTable':
-        """Read and validate a table; the keyword arguments are the run's values it must match."""
+        """Read and validate a table; the keyword arguments are the run's values it must match (``grid`` as
+        everywhere: ``P`` or ``(rows, cols)``)."""
+        grid = None if grid is None else to_grid(grid)
         try:
             with open(path, encoding='utf-8') as f:
                 doc = json.load(f)
@@ -171,7 +174,7 @@ class MaskTable:
             raise MaskTableError(f'mask table {path} has schema version {got!r}; this version of timm_patchmix '
                                  f'reads version {SCHEMA_VERSION}')
         table = cls._from_doc(doc, Fields(f'mask table {path}', MaskTableError))
-        if grid is not None and tuple(grid) != table.grid:
+        if grid is not None and grid != table.grid:
             raise MaskTableError(f'mask table {path} was searched for a {table.grid[0]}x{table.grid[1]} grid, '
                                  f'this run uses {grid[0]}x{grid[1]}')
         if num_classes is not None and num_classes != table.num_classes:

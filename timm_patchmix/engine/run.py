@@ -127,7 +127,7 @@ def _criterion(cfg: TrainConfig) -> nn.Module:
     if cfg.patchmix or cfg.patch_head:
         return PatchMixLoss(image_loss=not cfg.no_image_loss, patch_loss=not cfg.no_patch_loss,
                             patch_weight=cfg.patch_loss_weight, smoothing=cfg.smoothing or 0.0, bce=cfg.bce_loss,
-                            **(bce if cfg.bce_loss else {}))
+                            grid=cfg.grid if cfg.patch_head else None, **(bce if cfg.bce_loss else {}))
     if cfg.bce_loss:  # Mixup/CutMix targets come smoothed; index targets are smoothed by the loss
         return BinaryCrossEntropy(smoothing=0.0 if cfg.mixup_active else cfg.smoothing or 0.0,
                                   target_threshold=cfg.bce_target_thresh, sum_classes=cfg.bce_sum,

@@ -16,10 +16,13 @@ from ..validation import Fields, check_hub_config, check_tensor_kinds
 __all__ = ['model_from_weights', 'load_model', 'load_backbone', 'backbone_state_dict', 'export_backbone']
 
 _SOURCES = ('hf-hub:', 'local-dir:')
+_DATA_CFG = ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')  # a checkpoint's data config, as timm's cfg
 
 
 def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any]]:
-    """Build the model recorded in ``path``'s metadata, load its weights strictly, return ``(model, meta)``."""
+    """Build the model recorded in ``path``'s metadata, load its weights strictly, return ``(model, meta)``. The
+    model's ``pretrained_cfg`` carries the data config the checkpoint was trained with (input size, mean, std,
+    interpolation, crop_pct), so ``timm.data.resolve_model_data_config(model)`` gives its preprocessing."""
     state, meta = load_weights(path)
     arch = meta.get('model')
     if not arch and meta.get('kind') == 'train_state':
@@ -36,6 +39,13 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
                               f'{kwargs}: {e}') from None
+    # the model reports the data it was trained on (timm's resolve_model_data_config reads its pretrained cfg)
+    data = {k: v for k, v in (meta.get('data') or {}).items() if k in _DATA_CFG and v is not None}
+    if data and isinstance(getattr(model, 'pretrained_cfg', None), dict):
+        model.pretrained_cfg = dict(model.pretrained_cfg, **{k: tuple(v) if isinstance(v, list) else v
+                                                             for k, v in data.items()})
+        if 'default_cfg' in vars(model):  # timm's alias of the pretrained cfg, where it is a plain attribute
+            model.default_cfg = model.pretrained_cfg
     check_tensor_kinds(state, model.state_dict(), path, CheckpointError)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -123,7 +133,10 @@ def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Mod
     """
     src = _patchhead(source)
     arch, state, cfg = backbone_state_dict(src)
-    for k, v in (getattr(src, '_model_args', None) or {}).items():
+    # the build arguments timm's factory recorded: the backbone's (a model made by create_patchhead or
+    # PatchHeadModel has only those), then the whole model's
+    built = dict(getattr(src.backbone, '_model_args', None) or {}, **(getattr(src, '_model_args', None) or {}))
+    for k, v in built.items():
         if k not in ('grid', 'per_position', 'num_classes'):
             kwargs.setdefault(k, v)
     kwargs.pop('pretrained_model_args', None)

@@ -434,6 +434,7 @@ class PatchHeadModel(nn.Module):
         """Patch logits ``[B, rows*cols, C]`` from a ``forward_features`` output for an input of ``img_size``."""
         return self.patch_head(feat, img_size)
 
+    @torch.jit.export  # a method of a scripted model too (the prediction of a model trained on the patch loss)
     def forward_patches(self, x: torch.Tensor) -> torch.Tensor:
         """Patch logits ``[B, rows*cols, C]`` for images ``x``, in train or eval mode."""
         return self.patch_logits(self.forward_features(x), x.shape[-2:])
