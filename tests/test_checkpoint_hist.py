@@ -11,6 +11,7 @@ import timm_patchmix  # noqa: F401
 from timm_patchmix import checkpoint as ckpt_io
 from timm_patchmix.checkpoint import CheckpointError, load_weights
 from timm_patchmix.engine import TrainConfig, train
+from timm_patchmix.engine.errors import TrainSetupError
 from timm_patchmix.engine.records import CHECKPOINT_NAME, checkpoint_history
 from timm_patchmix.train import parse_config
 
@@ -198,3 +199,89 @@ def test_a_state_with_a_bad_history_is_refused(uninterrupted, tmp_path):
         ckpt_io.save_state(path, st['model'], None, meta)
         with pytest.raises(CheckpointError, match=message):
             ckpt_io.load_state(path)
+
+
+# --- best and last as the state names them ------------------------------------------------------------------------
+def _epoch(path):
+    from timm_patchmix.engine.records import _epoch_of
+    return _epoch_of(path)
+
+
+def test_a_resume_into_another_folder_brings_the_best_and_kept_files(uninterrupted, tmp_path):
+    """Resumed under another --experiment, the new folder holds the state's best epoch's weights (copied: they were
+    missing there, and a --holdout run then failed at its end), its last, and the kept history files."""
+    from timm_patchmix.checkpoint import load_state
+    state = os.path.join(uninterrupted, 'state.safetensors')
+    before = load_state(state)['meta']
+    res = train(TrainConfig(output=str(tmp_path), experiment='moved', resume=state, **dict(TINY, epochs=5)))
+    moved = res.output
+    assert moved != uninterrupted and len(_rows(moved)) == 5  # nothing left to train: the files alone
+    b = before['best']['epoch']
+    assert _epoch(os.path.join(moved, 'best.safetensors')) == b
+    assert _same_tensors(os.path.join(moved, 'best.safetensors'), os.path.join(uninterrupted, 'best.safetensors'))
+    assert _same_tensors(os.path.join(moved, 'last.safetensors'), os.path.join(uninterrupted, 'last.safetensors'))
+    assert _files(moved) == _files(uninterrupted)
+
+
+class _StopAtBest(Exception):
+    pass
+
+
+def test_a_run_stopped_after_its_state_restores_best_and_last_from_it(tmp_path, monkeypatch):
+    """Stopped after epoch 1's state but before its best/last files (the state is written first), then resumed
+    with an allowed change (another --lr): best and last are written from the state's weights before training goes
+    on, so best.safetensors never holds an epoch the state does not know (it held the stopped epoch's, which the
+    resumed run then trained differently)."""
+    real = ckpt_io.save_weights
+
+    def save_weights(path, state, meta=None, *a, **k):
+        if os.path.basename(path) in ('best.safetensors', 'last.safetensors') and (meta or {}).get('epoch') == 1:
+            raise _StopAtBest(path)
+        return real(path, state, meta, *a, **k)
+
+    monkeypatch.setattr(ckpt_io, 'save_weights', save_weights)
+    cfg = dict(TINY, epochs=2, checkpoint_hist=0)
+    with pytest.raises(_StopAtBest):
+        train(TrainConfig(output=str(tmp_path), experiment='run', **cfg))
+    monkeypatch.undo()
+    out = os.path.join(tmp_path, 'run')
+    state = os.path.join(out, 'state.safetensors')
+    st = ckpt_io.load_state(state)
+    assert st['meta']['epoch'] == 1 and _epoch(os.path.join(out, 'last.safetensors')) == 0
+    train(TrainConfig(output=str(tmp_path), resume=state, **dict(cfg, lr=0.5)))  # nothing left to train
+    assert _epoch(os.path.join(out, 'last.safetensors')) == 1
+    assert _epoch(os.path.join(out, 'best.safetensors')) == st['meta']['best']['epoch']
+    last = load_file(os.path.join(out, 'last.safetensors'))
+    assert last.keys() == st['model'].keys() and all(torch.equal(last[k], st['model'][k]) for k in last)
+
+
+def test_best_weights_that_are_gone_stop_a_holdout_resume_and_are_noted_otherwise(tmp_path, capsys):
+    """A state whose best epoch is not its last, with best.safetensors gone: a --holdout resume (which tests those
+    weights at its end; it failed there with a traceback) stops before anything is written; without --holdout a
+    note says so and the run goes on."""
+    cfg = dict(TINY, epochs=2, checkpoint_hist=0, holdout=0.25, test_subset=32)
+    train(TrainConfig(output=str(tmp_path), experiment='ho', **cfg))
+    out = os.path.join(tmp_path, 'ho')
+    state = os.path.join(out, 'state.safetensors')
+    st = ckpt_io.load_state(state)
+    meta = {k: v for k, v in st['meta'].items() if k not in ('optimizer', 'rng', 'kind')}
+    meta['best'] = dict(meta['best'], epoch=0, score=meta['rows'][0]['eval_top1'])  # the best epoch: not the last
+    ckpt_io.save_state(state, st['model'], None, meta)
+    os.remove(os.path.join(out, 'best.safetensors'))
+    files = sorted(os.listdir(out))
+    with pytest.raises(TrainSetupError, match=r'best\.safetensors should hold epoch 0, the best epoch the state '
+                                              r'records, and is missing or unreadable; --holdout tests'):
+        train(TrainConfig(output=str(tmp_path), resume=state, **dict(cfg, epochs=3)))
+    assert sorted(os.listdir(out)) == files
+    cfg.update(holdout=0.0, test_subset=None)
+    capsys.readouterr()
+    res = train(TrainConfig(output=str(tmp_path), experiment='plain', **cfg))
+    plain = ckpt_io.load_state(os.path.join(res.output, 'state.safetensors'))
+    pm = {k: v for k, v in plain['meta'].items() if k not in ('optimizer', 'rng', 'kind')}
+    pm['best'] = dict(pm['best'], epoch=0, score=-1.0)
+    ckpt_io.save_state(os.path.join(res.output, 'state.safetensors'), plain['model'], None, pm)
+    os.remove(os.path.join(res.output, 'best.safetensors'))
+    train(TrainConfig(output=str(tmp_path), resume=os.path.join(res.output, 'state.safetensors'),
+                      **dict(cfg, epochs=3)))
+    assert 'best.safetensors should hold epoch 0' in capsys.readouterr().out
+    assert _epoch(os.path.join(res.output, 'best.safetensors')) == 2  # epoch 2 scored better than -1

@@ -353,6 +353,11 @@ def test_robustness_errors_are_one_line_not_tracebacks(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith('error: ') and 'Traceback' not in err, err
     expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--device', 'foo'], "'foo'", flag='--device')
+    from timm_patchmix.search import main as search_main
+    for device, message in (('foo', "not a torch device: 'foo'"), ('meta', 'holds no data'),
+                            *((('cuda', 'names a CUDA device, and this machine has none'),)
+                              if not torch.cuda.is_available() else ())):
+        expect_usage_error(capsys, search_main, ['--checkpoint', best, '--device', device], message, flag='--device')
     expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--val-split', 'nosuch'],
                        "'nosuch' is not a split of patchshapes", flag='--val-split')
 

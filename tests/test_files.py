@@ -327,6 +327,8 @@ BAD_ENCODED = {
                       r"optimizer\.encoded\.param_groups keys must be entries of optimizer\.param_groups, got '5'"),
     'unknown name': (lambda o: o['encoded']['param_groups'].update({'0': ['nope']}),
                      r"optimizer\.encoded\.param_groups\.0\[0\] must be a name of optimizer\.param_groups\.0"),
+    'non-ascii index': (lambda o: o['encoded'].update(param_groups={'\u00b2': ['momentum_dtype']}),
+                        r"optimizer\.encoded\.param_groups keys must be entries of optimizer\.param_groups"),
     'unknown part': (lambda o: o['encoded'].update(groups={}), r"optimizer\.encoded keys must be 'state' or"),
     'extra not encoded': (lambda o: o.update(extra={'rng_state': {'set': [1]}}),
                           r"optimizer\.extra\.rng_state must be one of"),

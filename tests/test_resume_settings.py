@@ -495,7 +495,7 @@ def test_train_resume_of_a_big_vision_adafactor_state_is_bit_exact(tmp_path):
 
 
 @pytest.mark.filterwarnings('ignore:Using backward\\(\\) with create_graph=True')
-def test_train_with_a_second_order_optimizer(tmp_path):
+def test_train_with_a_second_order_optimizer(tmp_path, capsys):
     """timm's AdaHessian differentiates the gradients again: the step keeps their graph (create_graph, as timm's
     train.py does), the run trains and resumes."""
     flags = ['--model', 'resnet8_cifar', '--opt', 'adahessian', '--lr', '0.01']
@@ -503,3 +503,12 @@ def test_train_with_a_second_order_optimizer(tmp_path):
     assert np.isfinite(res['rows'][0]['train_loss'])
     res = resume_train(tmp_path, 'ah', flags)
     assert [r['epoch'] for r in res['rows']] == [0, 1] and np.isfinite(res['rows'][1]['train_loss'])
+    # torch.compile has no double backward: refused before anything is written, not a traceback at the first step
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'c', '--torchcompile',
+                           'aot_eager'] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and 'argument --torchcompile: --opt adahessian differentiates the gradients again, ' \
+        'which torch.compile cannot' in err, err
+    assert not (tmp_path / 'c').exists()

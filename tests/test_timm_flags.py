@@ -316,6 +316,39 @@ def test_bad_opt_kwargs_are_usage_errors_before_anything_is_written(argv, messag
     assert not (tmp_path / 'x').exists()
 
 
+@pytest.mark.parametrize('argv, message', [
+    (['--opt', 'adamw', '--opt-betas', '0.9'], r'optimizer adamw does not take betas \[0.9\]'),  # torch's IndexError
+    (['--opt', 'adamw', '--opt-betas', '0.9', '0.99', '0.5'], 'optimizer adamw takes 2 betas, got 3'),  # ignored
+    (['--opt', 'lamb', '--opt-betas', '0.9', '0.99', '0.5'], 'optimizer lamb takes 2 betas, got 3'),  # failed a step
+    (['--opt', 'sgd', '--opt-betas', '0.9', '0.99'], r'optimizer sgd takes no betas, got \[0.9, 0.99\]'),  # dropped
+])
+def test_opt_betas_of_another_count_than_the_optimizers_are_usage_errors(argv, message, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=message) as e:
+        _optimizer(argv)
+    assert e.value.flag == '--opt-betas'
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(argv + ['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--output',
+                               str(tmp_path), '--experiment', 'x'])
+    assert e.value.code == 2 and 'argument --opt-betas' in capsys.readouterr().err
+    assert not (tmp_path / 'x').exists()
+    for good in (['--opt', 'adamw', '--opt-betas', '0.8', '0.9'],
+                 ['--opt', 'adan', '--opt-betas', '0.9', '0.9', '0.99'],
+                 ['--opt', 'lookahead_adamw', '--opt-betas', '0.8', '0.9']):
+        assert tuple(_optimizer(good)[0].defaults['betas']) == tuple(float(v) for v in good[3:])
+
+
+def test_the_lr_column_is_the_mean_over_the_groups_as_timm_logs_it(tmp_path):
+    """With --layer-decay the groups' rates differ: summary.csv's lr is their mean, as timm's train.py logs it
+    (it was the first group's, the stem's, 1/16 of the head's here)."""
+    res = train_cli.main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress',
+                          '--epochs', '1', '--lr', '0.1', '--sched', 'step', '--decay-epochs', '10', '--warmup-epochs',
+                          '0', '--layer-decay', '0.5', '--model', 'resnet8_cifar', '--output', str(tmp_path),
+                          '--experiment', 'ld'])
+    opt, _ = _optimizer(['--layer-decay', '0.5', '--lr', '0.1'])
+    want = sum(0.1 * g['lr_scale'] for g in opt.param_groups) / len(opt.param_groups)
+    assert res['rows'][0]['lr'] == pytest.approx(want) and want > 0.1 / 16
+
+
 def test_layer_decay_scales_each_layer_and_keeps_the_patch_head_at_the_full_lr():
     def scales(opt, model):
         names = {id(p): n for n, p in model.named_parameters()}

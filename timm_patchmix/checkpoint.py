@@ -207,6 +207,11 @@ def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     return tensors, meta
 
 
+def _index(key: str) -> bool:
+    """An index written as ASCII digits (``str.isdigit`` also takes '²', which ``int`` refuses)."""
+    return key.isascii() and key.isdigit()
+
+
 def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
     """Types and ranges of a training state's metadata, before a resume uses any of it."""
     f = Fields(path, CheckpointError)
@@ -243,7 +248,7 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
     if meta.get('optimizer') is not None:
         om = f.dict(meta['optimizer'], 'optimizer')
         for idx, entry in f.dict(om.get('state'), 'optimizer.state').items():
-            if not idx.isdigit():
+            if not _index(idx):
                 f.fail('optimizer.state keys', 'parameter indices', idx)
             f.dict(entry, f'optimizer.state.{idx}')
         groups = f.list(om.get('param_groups'), 'optimizer.param_groups')
@@ -253,7 +258,7 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
                 f.int(p, f'optimizer.param_groups[{k}].params[{j}]', lo=0)
         if om.get('group_tensors') is not None:
             for k, names in f.dict(om['group_tensors'], 'optimizer.group_tensors').items():
-                if not k.isdigit() or int(k) >= len(groups):
+                if not _index(k) or int(k) >= len(groups):
                     f.fail('optimizer.group_tensors keys', f'group indices below {len(groups)}', k)
                 for j, name in enumerate(f.list(names, f'optimizer.group_tensors.{k}')):
                     if f.str(name, f'optimizer.group_tensors.{k}[{j}]') not in groups[int(k)]:
@@ -269,7 +274,7 @@ def _check_train_meta(path: str, meta: Dict[str, Any]) -> None:
                     f.fail('optimizer.encoded keys', "'state' or 'param_groups'", where)
             for where, entries in (('state', om['state']), ('param_groups', dict(enumerate(groups)))):
                 for k, names in f.dict(enc.get(where, {}), f'optimizer.encoded.{where}').items():
-                    entry = entries.get(int(k) if where == 'param_groups' and k.isdigit() else k)
+                    entry = entries.get(int(k) if where == 'param_groups' and _index(k) else k)
                     if entry is None:
                         f.fail(f'optimizer.encoded.{where} keys', f'entries of optimizer.{where}', k)
                     for j, name in enumerate(f.list(names, f'optimizer.encoded.{where}.{k}')):

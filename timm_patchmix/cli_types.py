@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'nonneg_int', 'positive_float',
            'nonneg_float', 'probability', 'fraction', 'existing_file', 'optional_file', 'new_file', 'directory',
-           'optional_directory', 'file_or_name']
+           'optional_directory', 'file_or_name', 'device_name']
 
 
 def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
@@ -175,3 +175,18 @@ def optional_directory(text: str) -> str:
 def file_or_name(text: str) -> str:
     """A file or a name that is not a path (``hf-hub:<repo>``, a registered tag); an existing folder is refused."""
     return _not_a_folder(text, 'a file or a name', 'string')
+
+
+def device_name(text: str) -> str:
+    """A ``--device``: a name torch parses (``cpu``, ``cuda``, ``cuda:1``...), of a device that holds data, and a
+    CUDA one only where CUDA is available."""
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f'not a torch device: {text!r} ({e})') from None
+    if dev.type == 'meta':
+        raise argparse.ArgumentTypeError(f"{text!r} holds no data to compute with; give 'cpu' or 'cuda'")
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f'{text!r} names a CUDA device, and this machine has none')
+    return text

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cli_types import directory, existing_file, nonneg_float, optional_directory, positive_int
+from .cli_types import device_name, directory, existing_file, nonneg_float, optional_directory, positive_int
 
 __all__ = ['fgsm_accuracy', 'build_parser', 'main']
 
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--val-subset', type=positive_int, default=None,
                         help='evaluate a fixed random subset of this many images (default: the whole split)')
     parser.add_argument('-b', '--batch-size', type=positive_int, default=128, help='images per batch')
-    parser.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda')
+    parser.add_argument('--device', default='cpu', type=device_name, help='torch device, e.g. cpu or cuda')
     parser.add_argument('--output', default=None, type=directory,
                         help='write fgsm.json to this folder (default: print only)')
     return parser
@@ -108,12 +108,7 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f'argument --device: not a torch device: {args.device!r} ({e})')
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        parser.error(f'argument --device: {args.device!r} names a CUDA device, and this machine has none')
+    device = torch.device(args.device)  # (checked by its type)
     try:
         model, meta = model_from_weights(args.checkpoint)
         data = meta.get('data', {})

@@ -241,9 +241,6 @@ def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, 
     from ..checkpoint import atomic_write_text, save_state, save_weights
     sd = model.state_dict()
     weights = ema.state_dict() if ema is not None else sd
-    if improved:
-        save_weights(os.path.join(out_dir, 'best.safetensors'), weights, meta)
-    save_weights(os.path.join(out_dir, 'last.safetensors'), weights, meta)
     if history is not None:
         keep, drop = history
         own = os.path.join(out_dir, CHECKPOINT_NAME.format(meta['epoch']))
@@ -258,4 +255,61 @@ def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, 
         state_meta = dict(state_meta, checkpoints=list(keep))
     extra = {EMA_PREFIX + k: v for k, v in weights.items()} if ema is not None else None
     save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer, state_meta, extra)
+    # best and last after the state that names their epoch: a run stopped before them left files the state can
+    # restore (restore_weights_files), never a best.safetensors of an epoch its state does not know
+    if improved:
+        save_weights(os.path.join(out_dir, 'best.safetensors'), weights, meta)
+    save_weights(os.path.join(out_dir, 'last.safetensors'), weights, meta)
     atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(state_meta['rows']))
+
+
+def _epoch_of(path: str) -> Optional[int]:
+    """The epoch a weights file's metadata names (None: no file, or none readable)."""
+    import json
+    from safetensors import safe_open
+    try:
+        with safe_open(path, framework='pt') as f:
+            epoch = json.loads((f.metadata() or {}).get('timm_patchmix', '{}')).get('epoch')
+    except Exception:  # missing, truncated or not safetensors: not the epoch's file either way
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: Dict[str, Any]) -> List[str]:
+    """Before a resumed run trains: ``last.safetensors`` and ``best.safetensors`` in ``out_dir`` hold the epochs
+    the state names. A file of another epoch or none (a run stopped between its state and its weights files; a
+    resume into another folder than the state's) is written from the state's weights when the state's epoch is
+    the one (``meta``: the run's weights metadata), or copied from the state's folder, as are the kept
+    ``--checkpoint-hist`` files. Returns what could not be restored: the best epoch's weights when they are in
+    neither folder (the caller says so, or refuses where the run needs them)."""
+    from ..checkpoint import atomic_write_bytes, save_weights
+    source = os.path.dirname(os.path.abspath(resume))
+    same = os.path.abspath(out_dir) == source
+    epoch = start.start_epoch - 1
+    weights = start.ema_state if start.ema_state is not None else start.model_state
+    own = dict(meta, epoch=epoch, metrics=start.rows[epoch]) if len(start.rows) > epoch else dict(meta, epoch=epoch)
+
+    def copy(name: str) -> None:
+        with open(os.path.join(source, name), 'rb') as f:
+            atomic_write_bytes(os.path.join(out_dir, name), f.read())
+
+    lost = []
+    wanted = [('last.safetensors', epoch)]
+    if start.best is not None:
+        wanted.append(('best.safetensors', start.best['epoch']))
+    if not same:
+        wanted += [(CHECKPOINT_NAME.format(e), e) for e in start.checkpoints]
+    for name, e in wanted:
+        if _epoch_of(os.path.join(out_dir, name)) == e:
+            continue
+        if e == epoch and weights is not None:
+            save_weights(os.path.join(out_dir, name), weights, own)
+        elif not same and _epoch_of(os.path.join(source, name)) == e:
+            copy(name)
+        elif name == 'best.safetensors':
+            path = os.path.join(out_dir, name)
+            held = _epoch_of(path)
+            lost.append(f'{path} should hold epoch {e}, the best epoch the state records, and '
+                        f'{"holds epoch %d" % held if held is not None else "is missing or unreadable"}'
+                        f'{"" if same else " (as in " + source + ")"}')
+    return lost

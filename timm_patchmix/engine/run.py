@@ -18,7 +18,8 @@ from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_d
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
 from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, load_resume, load_scheduler_state,
-                      resume_settings, save_epoch, scheduler_state, weights_meta, write_args, write_start)
+                      restore_weights_files, resume_settings, save_epoch, scheduler_state, weights_meta, write_args,
+                      write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -165,6 +166,18 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
             raise
         given = ', '.join(f'{k}={v!r}' for k, v in cfg.opt_kwargs.items())
         raise ConfigError(f'optimizer {cfg.opt} does not take {given} ({e})', '--opt-kwargs') from None
+    except (IndexError, ValueError) as e:  # torch's checks of betas too short, or out of range
+        if cfg.opt_betas is None:
+            raise
+        raise ConfigError(f'optimizer {cfg.opt} does not take betas {list(cfg.opt_betas)} ({e})',
+                          '--opt-betas') from None
+    if cfg.opt_betas is not None and 'betas' not in optimizer.defaults:  # (timm's factory drops them)
+        raise ConfigError(f'optimizer {cfg.opt} takes no betas, got {list(cfg.opt_betas)}', '--opt-betas')
+    if cfg.opt_betas is not None:  # a longer list is taken without a word, then unused or failing at a step
+        own = _default_betas(cfg.opt)
+        if own is not None and len(own) != len(cfg.opt_betas):
+            raise ConfigError(f'optimizer {cfg.opt} takes {len(own)} betas, got {len(cfg.opt_betas)}: '
+                              f'{list(cfg.opt_betas)}', '--opt-betas')
     scheduler, num_epochs = create_scheduler_v2(
         optimizer, sched=cfg.sched, num_epochs=cfg.epochs, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
         cooldown_epochs=cfg.cooldown_epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
@@ -175,6 +188,35 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         cycle_decay=cfg.lr_cycle_decay, cycle_limit=cfg.lr_cycle_limit, k_decay=cfg.lr_k_decay,
         plateau_mode='min' if cfg.eval_metric == 'loss' else 'max')  # plateau: a lower loss is the better one
     return optimizer, scheduler, num_epochs
+
+
+def _check_second_order(cfg: TrainConfig, rt: Runtime, optimizer: torch.optim.Optimizer) -> None:
+    """A second-order optimizer (timm's AdaHessian differentiates the gradients again) where that cannot work: the
+    float16 loss scaler (its graph is of the scaled loss, so the Hessian estimate comes out scaled by it and the
+    steps shrink to nothing), DDP (its reducer does not support a kept graph) and torch.compile (AOT autograd has
+    no double backward)."""
+    if not getattr(optimizer, 'is_second_order', False):
+        return
+    if cfg.amp and rt.device.type == 'cuda' and cfg.amp_dtype != 'bfloat16':
+        raise ConfigError(f'--opt {cfg.opt} differentiates the gradients again, which the float16 loss scaler '
+                          f'distorts; use --amp-dtype bfloat16', '--amp-dtype')
+    if rt.distributed:
+        raise TrainSetupError(f'--opt {cfg.opt} differentiates the gradients again, which DistributedDataParallel '
+                              f'does not support; train it in one process')
+    if cfg.torchcompile:
+        raise ConfigError(f'--opt {cfg.opt} differentiates the gradients again, which torch.compile cannot; '
+                          f'train it without --torchcompile', '--torchcompile')
+
+
+def _default_betas(opt: str) -> Optional[tuple]:
+    """The betas ``opt`` has when none are given (None: it has none, or it cannot be made here)."""
+    from timm.optim import create_optimizer_v2
+    try:
+        probe = create_optimizer_v2([nn.Parameter(torch.zeros(1))], opt=opt, lr=0.1)
+    except Exception:  # (an optimizer that needs CUDA or a package this machine lacks: left to the real one)
+        return None
+    betas = probe.defaults.get('betas')
+    return tuple(betas) if isinstance(betas, (list, tuple)) else None
 
 
 def _kind(value: Any) -> str:
@@ -252,6 +294,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     cfg, data, model, model_kwargs, loaders, frozen = _setup(cfg, rt, log_data_config)
     per_epoch = updates_per_epoch(len(loaders.train), cfg.grad_accum_steps)  # optimizer updates in an epoch
     optimizer, scheduler, num_epochs = _optimization(cfg, model, per_epoch)
+    _check_second_order(cfg, rt, optimizer)
     settings = resume_settings(cfg.record())
     start = load_resume(cfg, settings)
     if start.model_state is not None:
@@ -261,7 +304,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
                 fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
                 optimizer.load_state_dict(start.optimizer_state)
                 _check_optimizer_state(optimizer, fresh)
-        except (RuntimeError, ValueError, KeyError) as e:  # tensors or groups that do not fit this model
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # tensors or groups that do not fit this model
             raise TrainSetupError(f'cannot resume from {cfg.resume}: its saved state does not fit the model and '
                                   f'optimizer of this run: {e}') from None
         _say(rt, f'resuming from {cfg.resume} at epoch {start.start_epoch}')
@@ -279,6 +322,10 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     args_pending = False
     # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
     with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
+        if cfg.resume:
+            _restore_weights_files(cfg, rt, out_dir, start,
+                                   weights_meta(cfg, model_kwargs, data.class_names, data.holdout),
+                                   needs_best=data.test is not None)
         if rt.primary:
             args_pending = write_start(out_dir, cfg, start.rows)
             n_params = sum(p.numel() for p in model.parameters())
@@ -312,6 +359,24 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
                      f"{test['final']['test_top1']:.2f}, best epoch ({test['best']['epoch']}) top1 "
                      f"{test['best']['test_top1']:.2f}")
         return _result(cfg, out_dir, rows, best, fgsm, test, splits)
+
+
+def _restore_weights_files(cfg: TrainConfig, rt: Runtime, out_dir: str, start: ResumePoint, meta: Dict[str, Any],
+                           needs_best: bool) -> None:
+    """A resume's ``best``/``last`` files as its state names them (:func:`restore_weights_files`, on rank 0). Best
+    weights that are nowhere to be had stop a ``--holdout`` run, which tests them at its end, on every rank before
+    anything else is written; otherwise a note says so."""
+    problems = restore_weights_files(out_dir, cfg.resume, start, meta) if rt.primary else []
+    if rt.distributed:
+        import torch.distributed as dist
+        shared = [problems]
+        dist.broadcast_object_list(shared, src=0, device=rt.device if rt.device.type == 'cuda' else None)
+        problems = shared[0]
+    for problem in problems:
+        if needs_best:
+            raise TrainSetupError(f'cannot resume from {cfg.resume}: {problem}; --holdout tests those weights at '
+                                  f'the end: put them back, or resume in the folder that has them')
+        _say(rt, f'note: {problem}; it will hold the next epoch that scores better')
 
 
 @contextmanager
@@ -402,7 +467,8 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
             if stepper.ema is not None:  # its stats average each rank's own
                 distribute_bn(stepper.ema.module, rt.world_size, reduce=cfg.dist_bn == 'reduce')
         ev = validate(evaluated, loaders.val, cfg, rt.device, stepper.autocast)
-        lr = stepper.optimizer.param_groups[0]['lr']
+        groups = stepper.optimizer.param_groups  # their mean, as timm's train.py logs it (--layer-decay varies it)
+        lr = sum(g['lr'] for g in groups) / len(groups)
         stepper.scheduler.step(epoch + 1, ev[metric_key])
         row = {'epoch': epoch, 'train_loss': round(tr['train_loss'], 6), 'eval_loss': round(ev['eval_loss'], 6),
                'eval_top1': round(ev['eval_top1'], 4), 'eval_top5': round(ev['eval_top5'], 4), 'lr': lr,

@@ -42,8 +42,11 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     # the model reports the data it was trained on (timm's resolve_model_data_config reads its pretrained cfg)
     data = {k: v for k, v in (meta.get('data') or {}).items() if k in _DATA_CFG and v is not None}
     if data and isinstance(getattr(model, 'pretrained_cfg', None), dict):
-        model.pretrained_cfg = dict(model.pretrained_cfg, **{k: tuple(v) if isinstance(v, list) else v
-                                                             for k, v in data.items()})
+        cfg = dict(model.pretrained_cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        if 'input_size' in data:  # the architecture's test-time size and crop belong to its own training size
+            cfg.pop('test_input_size', None)
+            cfg.pop('test_crop_pct', None)
+        model.pretrained_cfg = cfg
         if 'default_cfg' in vars(model):  # timm's alias of the pretrained cfg, where it is a plain attribute
             model.default_cfg = model.pretrained_cfg
     check_tensor_kinds(state, model.state_dict(), path, CheckpointError)

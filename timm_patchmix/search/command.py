@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointError
-from ..cli_types import directory, existing_file, optional_directory, positive_int
+from ..cli_types import device_name, directory, existing_file, optional_directory, positive_int
 from ..grid import grid_from_flag
 from ..settings import INTERRUPTED, USAGE_ERROR, SettingsChangedError
 from ..table import MaskTable
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group('running')
     r.add_argument('--eval-batch-size', type=VALUE_TYPES['eval_batch_size'], default=512,
                    help='images per forward pass of f_T')
-    r.add_argument('--device', default=None, help='device of f_T (default: cuda when available, else cpu)')
+    r.add_argument('--device', default=None, type=device_name,
+                   help='device of f_T (default: cuda when available, else cpu)')
     r.add_argument('--amp', action='store_true', default=False, help='score in mixed precision (CUDA)')
     r.add_argument('--channels-last', action='store_true', default=False, help='channels-last memory format')
     r.add_argument('--resume', action='store_true', default=False,
