@@ -335,6 +335,8 @@ def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_pat
     assert f'(`{test["split"]}`, {test["images"]:,} images)' in card
     assert (f'| 1 | {test["final"]["test_top1"]:.2f} | {test["best"]["test_top1"]:.2f} '
             f'(epoch {test["best"]["epoch"]}) |') in card
+    assert "These weights are the best epoch's (epoch 0)." in card
+    assert '| test top-1, final epoch (these weights) | test top-1, best held-out epoch (these weights) |' in card
     assert '| epochs | final top-1 | best top-1 |' not in card
     cfg = json.load(open(os.path.join(folder, 'config.json')))
     assert cfg['timm_patchmix']['test_metrics']['final']['top1'] == test['final']['test_top1']
@@ -359,6 +361,31 @@ def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_pat
     assert not (tmp_path / 'rpm' / 'results.json').exists() and not (tmp_path / 'rpm' / 'fgsm.json').exists()
     card = open(os.path.join(hub.export_folder(ckpt, str(tmp_path / 'repo3')), 'README.md')).read()
     assert 'Protocol: no held-out split' in card and 'was held out' not in card
+
+
+def test_the_card_names_the_epoch_of_the_exported_weights(tmp_path):
+    """The card says whose weights the folder holds: best.safetensors the best epoch's, last.safetensors the final
+    epoch's (it said "the best epoch's" of whatever file was exported), each marked in the table's column."""
+    from timm_patchmix.checkpoint import save_weights
+    res = train_main(TINY[:-1] + ['2', '--output', str(tmp_path), '--experiment', 'ho', '--patchmix', '--holdout',
+                                  '0.1', '--test-subset', '30'])
+    results = json.load(open(os.path.join(res['output'], 'results.json')))
+    best_epoch = results['test']['best']['epoch']
+    cards = {}
+    for name in ('best', 'last'):
+        folder = hub.export_folder(os.path.join(res['output'], f'{name}.safetensors'), str(tmp_path / name))
+        cards[name] = open(os.path.join(folder, 'README.md')).read()
+    assert f"These weights are the best epoch's (epoch {best_epoch})." in cards['best']
+    if best_epoch != 1:
+        assert "These weights are the final epoch's (epoch 1)." in cards['last']
+        assert '| test top-1, final epoch (these weights) | test top-1, best held-out epoch |' in cards['last']
+        assert '| test top-1, final epoch | test top-1, best held-out epoch (these weights) |' in cards['best']
+    # weights of another epoch (a --checkpoint-hist file): named, and neither column marked
+    state, meta = load_weights(os.path.join(res['output'], 'last.safetensors'))
+    other = str(tmp_path / 'ho' / 'checkpoint-7.safetensors')
+    save_weights(other, state, dict(meta, epoch=7))
+    card = open(os.path.join(hub.export_folder(other, str(tmp_path / 'other')), 'README.md')).read()
+    assert "These weights are epoch 7's, neither the best nor the final one." in card and 'these weights)' not in card
 
 
 def test_a_folder_written_by_timms_save_for_hf_loads_through_local_dir(tmp_path):

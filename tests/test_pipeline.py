@@ -555,6 +555,15 @@ def test_corrupt_mask_table_of_a_finished_search_is_one_error_line(tmp_path, cap
     out = tmp_path / 'out'
     argv = ['--output', str(out), '--methods', 'random_pm', 'guided_pm'] + TINY_TRAIN
     _, table = _finished_phases(out, argv)
+    good = table.read_text()
+    # the guided phase finished too: the damaged table is named as such (it was called a changed setting, exit 2)
+    for text in ('{"schema_version": 1, "pai', '{"pairs": []}\n'):
+        table.write_text(text)
+        assert cli(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith('error: mask table ') and err.count('\n') == 1 and str(table) in err
+        assert f'delete {out / "seed0" / "search"}' in err and 'other settings' not in err
+    table.write_text(good)
     shutil.rmtree(out / 'seed0' / 'guided_pm')  # not started yet: it reads the table now
     for text in ('{"schema_version": 1, "pai', '{"pairs": []}\n'):
         table.write_text(text)

@@ -329,6 +329,10 @@ def test_search_same_settings_resume(searched, tmp_path):
                         ['--generations', '2'])  # when to stop may change
     assert table.search_args['generations'] == 2
     assert (tmp_path / 's' / 'logbook.csv').read_text().count('\n') == 4  # header + generations 0..2
+    assert table.search_args['generations_run'] == 2  # the generation reached, whatever the last call asked for
+    table = search_main(['--checkpoint', moved, '--output', str(tmp_path / 's'), '--resume'] + SEARCH +
+                        ['--generations', '1'])  # already past it: nothing more to run
+    assert table.search_args['generations'] == 1 and table.search_args['generations_run'] == 2
 
 
 # --- the pipeline ----------------------------------------------------------------------------------------------

@@ -241,8 +241,20 @@ def _check_finished_inputs(args, seed: int) -> List[str]:
         if not os.path.isfile(table):
             problems.append(paragraph('search', 'its mask table', table, 'guided_pm', ['guided_pm']))
         else:
+            _finished_table(table, seed)  # a damaged table is named as such, not as a changed setting
             _check_phase(args, folders['guided_pm'], _phase_settings(args, seed, _guided_settings(args, table)))
     return problems
+
+
+def _finished_table(table: str, seed: int):
+    """The mask table of seed ``seed``'s finished search, loaded; one that is not a valid table is a
+    :class:`PhaseRecordError` naming it and the folder to delete."""
+    from .table import MaskTable, MaskTableError
+    try:
+        return MaskTable.load(table)
+    except MaskTableError as e:
+        raise PhaseRecordError(f'{e}. It is the table of the finished search of seed {seed}, which Guided PatchMix '
+                               f'trains on; {_redo(os.path.dirname(table))}') from None
 
 
 def _check_all_phases(args) -> None:
@@ -752,12 +764,7 @@ def run_phase(args, seed: int, name: str, trainer: Optional[_Trainer] = None):
         raise ValueError(f'no phase named {name!r}')
     guided = _guided_settings(args, table)  # checked before the samples are drawn from the table
     _check_phase(args, _phase_folder(args, seed, 'guided_pm'), _phase_settings(args, seed, guided))
-    from .table import MaskTable, MaskTableError
-    try:
-        search_args = MaskTable.load(table).search_args
-    except MaskTableError as e:
-        raise PhaseRecordError(f'{e}. It is the table of the finished search of seed {seed}, which Guided PatchMix '
-                               f'trains on; {_redo(os.path.dirname(table))}') from None
+    search_args = _finished_table(table, seed).search_args
     samples = os.path.join(os.path.dirname(table), 'guided_samples.png')
     if not os.path.isfile(samples):
         render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)

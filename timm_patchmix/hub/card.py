@@ -55,33 +55,54 @@ def read_results(checkpoint: str) -> Optional[Dict[str, Any]]:
     return out
 
 
+def _whose(epoch: Optional[int], best: Optional[int], final: Optional[int]) -> str:
+    """Which epoch's weights the card's folder holds, said in one sentence."""
+    if epoch is None:
+        return ''
+    if epoch == best:
+        return f' These weights are the best epoch\'s (epoch {epoch}).'
+    if epoch == final:
+        return f' These weights are the final epoch\'s (epoch {epoch}).'
+    if best is None:  # (no held-out selection: the card names no best epoch)
+        return f' These weights are epoch {epoch}\'s.'
+    return f' These weights are epoch {epoch}\'s, neither the best nor the final one.'
+
+
 def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]],
-                   holdout: Optional[Dict[str, Any]] = None) -> list:
+                   holdout: Optional[Dict[str, Any]] = None, epoch: Optional[int] = None) -> list:
     """The card's "Metrics" section: with a held-out split, the test split's numbers and how the best epoch was
     chosen; without, the numbers of the split the epochs were evaluated on, said to be no held-out test number.
     ``holdout`` (the weights' record of their held-out split) without ``results`` is a run that has not written
-    its test numbers (it has not ended): the section says so, and gives no number as a test number."""
+    its test numbers (it has not ended): the section says so, and gives no number as a test number. ``epoch``: the
+    epoch of the exported weights (best, last or a ``checkpoint-<e>`` file), which the section names."""
     if results is None and holdout:
         return ['', '## Metrics', '',
                 f'Protocol: a fixed {float(holdout.get("fraction", 0)) * 100:g}% of the training split (seed '
                 f'{holdout.get("seed")}) was held out and never trained on, and chose the best epoch. The run that '
                 'made these weights has not written its test-split numbers (`results.json`, written when a run '
                 'ends), so this card gives none.']
+
+    def mark(e: int) -> str:
+        return ' (these weights)' if epoch == e else ''
+
     if results is not None:
         h = results['holdout']
         return ['', '## Metrics', '',
                 f'Protocol: a fixed {h["fraction"] * 100:g}% of the training split (seed {h["seed"]}) was held out '
                 f'and never trained on; {results["selection_images"]:,} of its images chose the best epoch. Top-1 on '
                 f'the test split (`{results["test_split"]}`, {results["test_images"]:,} images), evaluated once at '
-                'the end and used for no choice. These weights are the best epoch\'s.', '',
-                '| epochs | test top-1, final epoch | test top-1, best held-out epoch (these weights) |',
+                'the end and used for no choice.' + _whose(epoch, results['best']['epoch'], results['final']['epoch']),
+                '',
+                f'| epochs | test top-1, final epoch{mark(results["final"]["epoch"])} | test top-1, best held-out '
+                f'epoch{mark(results["best"]["epoch"])} |',
                 '|---|---|---|',
                 f'| {results["final"]["epoch"] + 1} | {results["final"]["top1"]:.2f} | '
                 f'{results["best"]["top1"]:.2f} (epoch {results["best"]["epoch"]}) |']
     if metrics and metrics.get('final_top1') is not None:
         return ['', '## Metrics', '',
                 'Protocol: no held-out split; the numbers are on the split each epoch was evaluated on, which also '
-                'chose the best epoch, so they are not held-out test numbers.', '',
+                'chose the best epoch, so they are not held-out test numbers.'
+                + _whose(epoch, None, metrics['epochs'] - 1), '',
                 '| epochs | final top-1 | best top-1 |', '|---|---|---|',
                 f'| {metrics["epochs"]} | {metrics["final_top1"]:.2f} | {metrics["best_top1"]:.2f} |']
     return []
@@ -128,7 +149,7 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
     ]
     if meta.get('command'):
         lines += [f'- command: `{meta["command"]}`']
-    lines += protocol_lines(metrics, results, data.get('holdout'))
+    lines += protocol_lines(metrics, results, data.get('holdout'), meta.get('epoch'))
     if table:
         names = table.get('class_names') or [str(i) for i in range(int(table.get('num_classes', 0)))]
         best = table.get('best_fitness')

@@ -229,7 +229,10 @@ class Search:
             fingerprint=self.fingerprint,
             pairs=[tuple(int(v) for v in self.space.pairs[idx[o]]) for o in order],
             masks=[bits_to_mask(int(masks[o]), rows, cols) for o in order], scores=[float(scores[o]) for o in order],
-            best_fitness=float(best.fitness.values[0]), search_args=dict(self.record))
+            best_fitness=float(best.fitness.values[0]),
+            # the record is of the last invocation (a resume may give another --generations or --patience): the
+            # generation the search reached says how long it ran
+            search_args=dict(self.record, generations_run=self.gen))
 
     # --- state -----------------------------------------------------------------------------------------------
     def state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
