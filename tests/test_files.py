@@ -311,6 +311,20 @@ def test_optimizer_state_round_trips_exactly(tmp_path, opt_name, holds):
 def test_an_optimizer_value_a_state_cannot_hold_is_named(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # dicts (plain JSON, or holding tensors and tuples) are kept, as they are
+    opt.param_groups[0]['plain'] = {'a': 1, 'b': [2.5, None]}
+    opt.param_groups[0]['mixed'] = {'t': torch.arange(3), 'pair': (1, 2)}
+    save_state(str(tmp_path / 'ok.safetensors'), model.state_dict(), opt, {'epoch': 0})
+    group = load_state(str(tmp_path / 'ok.safetensors'))['optimizer']['param_groups'][0]
+    assert group['plain'] == {'a': 1, 'b': [2.5, None]} and group['mixed']['pair'] == (1, 2)
+    assert torch.equal(group['mixed']['t'], torch.arange(3))
+    os.remove(tmp_path / 'ok.safetensors')
+    del opt.param_groups[0]['plain'], opt.param_groups[0]['mixed']
+    # two values that would share a tensor name in the file: refused, not one silently overwriting the other
+    opt.param_groups[0]['Q'], opt.param_groups[0]['Q.0'] = [torch.ones(1)], torch.zeros(1)
+    with pytest.raises(TypeError, match=r'two values of the optimizer would be stored as optim_group\.0\.Q\.0'):
+        save_state(str(tmp_path / 's.safetensors'), model.state_dict(), opt, {'epoch': 0})
+    del opt.param_groups[0]['Q'], opt.param_groups[0]['Q.0']
     opt.param_groups[0]['schedule'] = object()
     with pytest.raises(TypeError, match=r'the optimizer holds a object \(optim_group\.0\.schedule\), which a '
                                         r'training state cannot store'):

@@ -271,6 +271,12 @@ def test_lr_noise_is_bounded_seeded_and_only_where_asked():
     (['--lr-cycle-mul', '0'], 'must be a finite number > 0'),
     (['--lr-k-decay', '-1'], 'must be a finite number > 0'),
     (['--lr-noise-pct', '-0.1'], 'must be a finite number >= 0'),
+    # ranges that add noise to no epoch (timm takes fractions of the schedule), and milestones out of order (timm
+    # bisects them: both decays came at the first)
+    (['--lr-noise', '0.8', '0.2'], 'START < END, got [0.8, 0.2]: this range adds noise to no epoch'),
+    (['--lr-noise', '2'], 'fractions of the schedule in [0, 1)'),
+    (['--sched', 'multistep', '--decay-milestones', '3', '1'], 'milestones must be increasing epochs, got [3, 1]'),
+    (['--sched', 'multistep', '--decay-milestones', '2', '2'], 'milestones must be increasing epochs, got [2, 2]'),
 ])
 def test_bad_scheduler_options_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:

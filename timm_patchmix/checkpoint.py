@@ -351,19 +351,30 @@ def _is_json(v: Any) -> bool:
     """A value JSON gives back as it was (a tuple would come back a list)."""
     if isinstance(v, list):
         return all(_is_json(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_json(x) for k, x in v.items())
     return isinstance(v, _JSON_SCALARS)
+
+
+def _put(tensors: Dict[str, torch.Tensor], name: str, v: torch.Tensor) -> None:
+    if name in tensors:  # ('Q.0' beside a list 'Q', say): one would overwrite the other
+        raise TypeError(f'two values of the optimizer would be stored as {name}; a training state cannot hold both')
+    tensors[name] = v
 
 
 def _encode(v: Any, name: str, tensors: Dict[str, torch.Tensor]) -> Any:
     """An optimizer value JSON cannot hold, as JSON: a tensor becomes ``{'tensor': <its name in the file>}`` (added to
-    ``tensors``), a dtype ``{'dtype': 'bfloat16'}``, a list or tuple ``{'list'|'tuple': [items]}``; scalars stay."""
+    ``tensors``), a dtype ``{'dtype': 'bfloat16'}``, a list or tuple ``{'list'|'tuple': [items]}``, a dict with
+    string keys ``{'dict': {key: item}}``; scalars stay."""
     if isinstance(v, torch.Tensor):
-        tensors[name] = v
+        _put(tensors, name, v)
         return {'tensor': name}
     if isinstance(v, torch.dtype):
         return {'dtype': str(v).replace('torch.', '')}
     if isinstance(v, (list, tuple)):
         return {type(v).__name__: [_encode(x, f'{name}.{i}', tensors) for i, x in enumerate(v)]}
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {'dict': {k: _encode(x, f'{name}.{k}', tensors) for k, x in v.items()}}
     if isinstance(v, _JSON_SCALARS):
         return v
     raise TypeError(f'the optimizer holds a {type(v).__name__} ({name}), which a training state cannot store')
@@ -377,6 +388,8 @@ def _decode(v: Any, tensors: Dict[str, torch.Tensor]) -> Any:
         return tensors[value]
     if kind == 'dtype':
         return getattr(torch, value)
+    if kind == 'dict':
+        return {k: _decode(x, tensors) for k, x in value.items()}
     items = [_decode(x, tensors) for x in value]
     return tuple(items) if kind == 'tuple' else items
 
@@ -386,10 +399,13 @@ def _check_encoded(f: Fields, v: Any, name: str) -> None:
     if isinstance(v, _JSON_SCALARS):
         return
     d = f.dict(v, name)
-    if len(d) != 1 or next(iter(d)) not in ('tensor', 'dtype', 'list', 'tuple'):
-        f.fail(name, "one of {'tensor': name}, {'dtype': name}, {'list': [...]}, {'tuple': [...]}", v)
+    if len(d) != 1 or next(iter(d)) not in ('tensor', 'dtype', 'list', 'tuple', 'dict'):
+        f.fail(name, "one of {'tensor': name}, {'dtype': name}, {'list': [...]}, {'tuple': [...]}, {'dict': {...}}", v)
     (kind, value), = d.items()
-    if kind == 'tensor':
+    if kind == 'dict':
+        for k, x in f.dict(value, f'{name}.dict').items():
+            _check_encoded(f, x, f'{name}.dict.{k}')
+    elif kind == 'tensor':
         f.str(value, f'{name}.tensor')
     elif kind == 'dtype':
         if not isinstance(getattr(torch, f.str(value, f'{name}.dtype'), None), torch.dtype):
@@ -420,7 +436,7 @@ def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[
         entry = {}
         for name, v in st.items():
             if isinstance(v, torch.Tensor):
-                tensors[f'optim.{idx}.{name}'] = v
+                _put(tensors, f'optim.{idx}.{name}', v)
                 entry[name] = None
             else:
                 entry[name] = plain(v, 'state', str(idx), name, 'optim')
@@ -429,7 +445,7 @@ def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[
     for k, group in enumerate(sd['param_groups']):
         names = [name for name, v in group.items() if isinstance(v, torch.Tensor)]
         for name in names:
-            tensors[f'optim_group.{k}.{name}'] = group[name]
+            _put(tensors, f'optim_group.{k}.{name}', group[name])
         groups.append({name: None if name in names else plain(v, 'param_groups', str(k), name, 'optim_group')
                        for name, v in group.items()})
         if names:
