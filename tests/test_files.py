@@ -308,6 +308,34 @@ def test_optimizer_state_round_trips_exactly(tmp_path, opt_name, holds):
     assert not torch.equal(m2[0].weight, state['model']['0.weight'])  # the steps moved the weights
 
 
+def test_a_state_of_the_earlier_format_still_loads(tmp_path):
+    """States written before values were tagged hold Adam's betas as a JSON list and no ``encoded`` record: they
+    load as they are (betas a list, which the optimizer takes) and step as the saved optimizer does."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = _optimizer_steps('adamw', model, 2, seed=1)
+    path = str(tmp_path / 'state.safetensors')
+    save_state(path, model.state_dict(), opt, {'epoch': 0, 'seed': 0})
+
+    def earlier(meta):
+        om = meta['optimizer']
+        assert om.pop('encoded') == {'param_groups': {'0': ['betas'], '1': ['betas']}}  # decay / no decay
+        for group in om['param_groups']:
+            group['betas'] = group['betas']['tuple']
+    old = tamper(path, str(tmp_path / 'old.safetensors'), earlier)
+    state = load_state(old)
+    assert state['optimizer']['param_groups'][0]['betas'] == [0.9, 0.999]
+    from timm.optim import create_optimizer_v2
+    twin = copy.deepcopy(model)
+    twin_opt = create_optimizer_v2(twin, 'adamw', lr=0.01, weight_decay=0.01)
+    twin_opt.load_state_dict(state['optimizer'])
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        m(torch.ones(2, 6)).sum().backward()
+        o.step()
+    assert torch.equal(model.weight, twin.weight)
+
+
 def test_an_optimizer_value_a_state_cannot_hold_is_named(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
