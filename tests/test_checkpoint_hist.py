@@ -221,6 +221,11 @@ def test_a_resume_into_another_folder_brings_the_best_and_kept_files(uninterrupt
     assert _same_tensors(os.path.join(moved, 'best.safetensors'), os.path.join(uninterrupted, 'best.safetensors'))
     assert _same_tensors(os.path.join(moved, 'last.safetensors'), os.path.join(uninterrupted, 'last.safetensors'))
     assert _files(moved) == _files(uninterrupted)
+    # into a folder that holds another run's files of the same epoch numbers: replaced by this run's
+    other = train(TrainConfig(output=str(tmp_path), experiment='other', **dict(TINY, epochs=5, seed=3, lr=0.3)))
+    train(TrainConfig(output=str(tmp_path), experiment='other', resume=state, **dict(TINY, epochs=5)))
+    for name in ['best.safetensors', 'last.safetensors'] + _files(uninterrupted):
+        assert _same_tensors(os.path.join(other.output, name), os.path.join(uninterrupted, name)), name
 
 
 class _StopAtBest(Exception):
@@ -228,31 +233,34 @@ class _StopAtBest(Exception):
 
 
 def test_a_run_stopped_after_its_state_restores_best_and_last_from_it(tmp_path, monkeypatch):
-    """Stopped after epoch 1's state but before its best/last files (the state is written first), then resumed
-    with an allowed change (another --lr): best and last are written from the state's weights before training goes
-    on, so best.safetensors never holds an epoch the state does not know (it held the stopped epoch's, which the
-    resumed run then trained differently)."""
+    """An earlier run (other seed and lr) left its epoch-0 files in the folder; a fresh run over it is stopped after
+    its epoch-0 state but before its best/last files (the state is written first), then resumed with an allowed
+    change (another --lr): best and last are written from the state's weights before training goes on, so neither
+    the earlier run's files (of the same epoch number) nor a stopped epoch's pass for this run's."""
     real = ckpt_io.save_weights
+    cfg = dict(TINY, epochs=1, checkpoint_hist=0)
+    earlier = train(TrainConfig(output=str(tmp_path), experiment='run', **dict(cfg, seed=5, lr=0.3)))
+    out = earlier.output
 
     def save_weights(path, state, meta=None, *a, **k):
-        if os.path.basename(path) in ('best.safetensors', 'last.safetensors') and (meta or {}).get('epoch') == 1:
+        if os.path.basename(path) in ('best.safetensors', 'last.safetensors'):
             raise _StopAtBest(path)
         return real(path, state, meta, *a, **k)
 
     monkeypatch.setattr(ckpt_io, 'save_weights', save_weights)
-    cfg = dict(TINY, epochs=2, checkpoint_hist=0)
     with pytest.raises(_StopAtBest):
         train(TrainConfig(output=str(tmp_path), experiment='run', **cfg))
     monkeypatch.undo()
-    out = os.path.join(tmp_path, 'run')
     state = os.path.join(out, 'state.safetensors')
     st = ckpt_io.load_state(state)
-    assert st['meta']['epoch'] == 1 and _epoch(os.path.join(out, 'last.safetensors')) == 0
+    assert st['meta']['epoch'] == 0 and st['meta']['best']['epoch'] == 0
+    before = load_file(os.path.join(out, 'last.safetensors'))  # the earlier run's, of epoch 0 too
+    assert not all(torch.equal(before[k], st['model'][k]) for k in before)
     train(TrainConfig(output=str(tmp_path), resume=state, **dict(cfg, lr=0.5)))  # nothing left to train
-    assert _epoch(os.path.join(out, 'last.safetensors')) == 1
-    assert _epoch(os.path.join(out, 'best.safetensors')) == st['meta']['best']['epoch']
-    last = load_file(os.path.join(out, 'last.safetensors'))
-    assert last.keys() == st['model'].keys() and all(torch.equal(last[k], st['model'][k]) for k in last)
+    for name in ('best.safetensors', 'last.safetensors'):
+        got = load_file(os.path.join(out, name))
+        assert got.keys() == st['model'].keys() and all(torch.equal(got[k], st['model'][k]) for k in got), name
+        assert load_weights(os.path.join(out, name))[1]['metrics'] == st['meta']['rows'][0]
 
 
 def test_best_weights_that_are_gone_stop_a_holdout_resume_and_are_noted_otherwise(tmp_path, capsys):
@@ -273,6 +281,9 @@ def test_best_weights_that_are_gone_stop_a_holdout_resume_and_are_noted_otherwis
                                               r'records, and is missing or unreadable; --holdout tests'):
         train(TrainConfig(output=str(tmp_path), resume=state, **dict(cfg, epochs=3)))
     assert sorted(os.listdir(out)) == files
+    with pytest.raises(TrainSetupError, match=r'should hold epoch 0, the best epoch the state records'):
+        train(TrainConfig(output=str(tmp_path), experiment='elsewhere', resume=state, **dict(cfg, epochs=3)))
+    assert not os.path.exists(os.path.join(tmp_path, 'elsewhere')) or not os.listdir(tmp_path / 'elsewhere')
     cfg.update(holdout=0.0, test_subset=None)
     capsys.readouterr()
     res = train(TrainConfig(output=str(tmp_path), experiment='plain', **cfg))

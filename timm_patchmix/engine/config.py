@@ -401,13 +401,12 @@ class TrainConfig:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')
         ms = list(self.decay_milestones or ())
-        if any(b <= a for a, b in zip(ms, ms[1:])):  # timm's multistep bisects them: out of order, they misfire
-            raise ConfigError(f'milestones must be increasing epochs, got {ms}', '--decay-milestones')
-        if self.lr_noise is not None:  # fractions of the schedule (timm's): noise on from the first, off at the second
-            noise = list(self.lr_noise)
-            if any(n >= 1 for n in noise) or (len(noise) == 2 and noise[0] >= noise[1]):
-                raise ConfigError(f'takes fractions of the schedule in [0, 1), START or START END with START < END, '
-                                  f'got {noise}: this range adds noise to no epoch', '--lr-noise')
+        if any(b < a for a, b in zip(ms, ms[1:])):  # timm's multistep bisects them: out of order, they misfire
+            raise ConfigError(f'milestones must be epochs in increasing order, got {ms}', '--decay-milestones')
+        if self.lr_noise is not None and len(self.lr_noise) == 2 and self.lr_noise[0] >= self.lr_noise[1]:
+            # (timm's fractions of the schedule: noise on from the first, off at the second)
+            raise ConfigError(f'takes START END with START < END, got {list(self.lr_noise)}: this range adds noise '
+                              f'to no epoch', '--lr-noise')
         self._check_augment()
         self._check_model_kwargs()
         bce = [f for f, on in (('--bce-sum', self.bce_sum), ('--bce-target-thresh', self.bce_target_thresh is not None),

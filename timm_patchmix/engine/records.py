@@ -228,8 +228,9 @@ def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> b
 def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, Any], state_meta: Dict[str, Any],
                improved: bool, ema: Optional[torch.nn.Module] = None,
                history: Optional[Tuple[List[int], List[int]]] = None) -> None:
-    """An epoch's files: ``best.safetensors`` when it improved, ``last.safetensors``, ``state.safetensors`` (to
-    resume from) and ``summary.csv`` (``state_meta['rows']``), each written atomically. With ``ema`` (``--model-ema``'s
+    """An epoch's files: ``state.safetensors`` (to resume from), then ``best.safetensors`` when it improved and
+    ``last.safetensors`` (a resume restores them from the state, see :func:`restore_weights_files`), and
+    ``summary.csv`` (``state_meta['rows']``), each written atomically. With ``ema`` (``--model-ema``'s
     averaged model), the weights files hold its weights, the ones evaluated, and the state holds both.
 
     ``history``: ``--checkpoint-hist``'s epochs to keep and to remove (:func:`checkpoint_history`). The epoch's
@@ -265,51 +266,72 @@ def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, 
 
 def _epoch_of(path: str) -> Optional[int]:
     """The epoch a weights file's metadata names (None: no file, or none readable)."""
+    return _record_of(path)[0]
+
+
+def _record_of(path: str) -> Tuple[Optional[int], Optional[Dict[str, Any]]]:
+    """``(epoch, metrics)`` of a weights file's metadata: the epoch and its summary row (Nones where unreadable)."""
     import json
     from safetensors import safe_open
     try:
         with safe_open(path, framework='pt') as f:
-            epoch = json.loads((f.metadata() or {}).get('timm_patchmix', '{}')).get('epoch')
+            meta = json.loads((f.metadata() or {}).get('timm_patchmix', '{}'))
     except Exception:  # missing, truncated or not safetensors: not the epoch's file either way
-        return None
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+        return None, None
+    epoch = meta.get('epoch') if isinstance(meta, dict) else None
+    if not isinstance(epoch, int) or isinstance(epoch, bool):
+        return None, None
+    return epoch, meta.get('metrics') if isinstance(meta.get('metrics'), dict) else None
 
 
-def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: Dict[str, Any]) -> List[str]:
+def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: Dict[str, Any],
+                          stop_if_lost: bool = False) -> List[str]:
     """Before a resumed run trains: ``last.safetensors`` and ``best.safetensors`` in ``out_dir`` hold the epochs
-    the state names. A file of another epoch or none (a run stopped between its state and its weights files; a
-    resume into another folder than the state's) is written from the state's weights when the state's epoch is
-    the one (``meta``: the run's weights metadata), or copied from the state's folder, as are the kept
-    ``--checkpoint-hist`` files. Returns what could not be restored: the best epoch's weights when they are in
-    neither folder (the caller says so, or refuses where the run needs them)."""
+    the state names. Those of the state's own epoch are written from the state's weights (``meta``: the run's
+    weights metadata); a best epoch before it is kept where the file's record (its epoch and summary row) is that
+    epoch's, else copied from the state's folder when its file is (a resume under another ``--experiment``), as are
+    the kept ``--checkpoint-hist`` files. So a run stopped between its state and its weights files, or another
+    run's files in the folder, never pass for this run's. Returns what cannot be restored (the best epoch's
+    weights, in neither folder), decided before anything is written: with ``stop_if_lost`` nothing is then
+    written at all."""
     from ..checkpoint import atomic_write_bytes, save_weights
     source = os.path.dirname(os.path.abspath(resume))
     same = os.path.abspath(out_dir) == source
     epoch = start.start_epoch - 1
     weights = start.ema_state if start.ema_state is not None else start.model_state
-    own = dict(meta, epoch=epoch, metrics=start.rows[epoch]) if len(start.rows) > epoch else dict(meta, epoch=epoch)
 
-    def copy(name: str) -> None:
-        with open(os.path.join(source, name), 'rb') as f:
-            atomic_write_bytes(os.path.join(out_dir, name), f.read())
+    def row(e: int) -> Optional[Dict[str, Any]]:
+        return start.rows[e] if 0 <= e < len(start.rows) else None
 
-    lost = []
+    def holds(folder: str, name: str, e: int) -> bool:
+        return _record_of(os.path.join(folder, name)) == (e, row(e)) and row(e) is not None
+
+    own = dict(meta, epoch=epoch, metrics=row(epoch)) if row(epoch) is not None else dict(meta, epoch=epoch)
     wanted = [('last.safetensors', epoch)]
     if start.best is not None:
         wanted.append(('best.safetensors', start.best['epoch']))
     if not same:
         wanted += [(CHECKPOINT_NAME.format(e), e) for e in start.checkpoints]
+    plan, lost = [], []
     for name, e in wanted:
-        if _epoch_of(os.path.join(out_dir, name)) == e:
-            continue
         if e == epoch and weights is not None:
-            save_weights(os.path.join(out_dir, name), weights, own)
-        elif not same and _epoch_of(os.path.join(source, name)) == e:
-            copy(name)
+            plan.append((name, 'write'))
+        elif holds(out_dir, name, e):
+            continue
+        elif not same and holds(source, name, e):
+            plan.append((name, 'copy'))
         elif name == 'best.safetensors':
             path = os.path.join(out_dir, name)
             held = _epoch_of(path)
-            lost.append(f'{path} should hold epoch {e}, the best epoch the state records, and '
-                        f'{"holds epoch %d" % held if held is not None else "is missing or unreadable"}'
+            found = f'holds other weights (epoch {held})' if held is not None else 'is missing or unreadable'
+            lost.append(f'{path} should hold epoch {e}, the best epoch the state records, and {found}'
                         f'{"" if same else " (as in " + source + ")"}')
+    if lost and stop_if_lost:
+        return lost
+    for name, how in plan:
+        if how == 'write':
+            save_weights(os.path.join(out_dir, name), weights, own)
+        else:
+            with open(os.path.join(source, name), 'rb') as f:
+                atomic_write_bytes(os.path.join(out_dir, name), f.read())
     return lost

@@ -167,11 +167,11 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         given = ', '.join(f'{k}={v!r}' for k, v in cfg.opt_kwargs.items())
         raise ConfigError(f'optimizer {cfg.opt} does not take {given} ({e})', '--opt-kwargs') from None
     except (IndexError, ValueError) as e:  # torch's checks of betas too short, or out of range
-        if cfg.opt_betas is None:
+        if cfg.opt_betas is None or (isinstance(e, ValueError) and 'beta' not in str(e).lower()):
             raise
         raise ConfigError(f'optimizer {cfg.opt} does not take betas {list(cfg.opt_betas)} ({e})',
                           '--opt-betas') from None
-    if cfg.opt_betas is not None and 'betas' not in optimizer.defaults:  # (timm's factory drops them)
+    if cfg.opt_betas is not None and not _has_betas(cfg.opt):  # (timm's factory drops them)
         raise ConfigError(f'optimizer {cfg.opt} takes no betas, got {list(cfg.opt_betas)}', '--opt-betas')
     if cfg.opt_betas is not None:  # a longer list is taken without a word, then unused or failing at a step
         own = _default_betas(cfg.opt)
@@ -206,6 +206,12 @@ def _check_second_order(cfg: TrainConfig, rt: Runtime, optimizer: torch.optim.Op
     if cfg.torchcompile:
         raise ConfigError(f'--opt {cfg.opt} differentiates the gradients again, which torch.compile cannot; '
                           f'train it without --torchcompile', '--torchcompile')
+
+
+def _has_betas(opt: str) -> bool:
+    """Whether timm's optimizer registry says ``opt`` takes betas (``lookahead_<name>`` as ``<name>``)."""
+    from timm.optim import get_optimizer_info
+    return bool(get_optimizer_info(opt.lower().split('_')[-1]).has_betas)
 
 
 def _default_betas(opt: str) -> Optional[tuple]:
@@ -366,12 +372,19 @@ def _restore_weights_files(cfg: TrainConfig, rt: Runtime, out_dir: str, start: R
     """A resume's ``best``/``last`` files as its state names them (:func:`restore_weights_files`, on rank 0). Best
     weights that are nowhere to be had stop a ``--holdout`` run, which tests them at its end, on every rank before
     anything else is written; otherwise a note says so."""
-    problems = restore_weights_files(out_dir, cfg.resume, start, meta) if rt.primary else []
+    problems, failed = [], None
+    if rt.primary:
+        try:
+            problems = restore_weights_files(out_dir, cfg.resume, start, meta, stop_if_lost=needs_best)
+        except OSError as e:  # (told to every rank, which would otherwise wait for rank 0 forever)
+            failed = f'cannot resume from {cfg.resume}: restoring its weights files in {out_dir} failed: {e}'
     if rt.distributed:
         import torch.distributed as dist
-        shared = [problems]
+        shared = [problems, failed]
         dist.broadcast_object_list(shared, src=0, device=rt.device if rt.device.type == 'cuda' else None)
-        problems = shared[0]
+        problems, failed = shared
+    if failed:
+        raise TrainSetupError(failed)
     for problem in problems:
         if needs_best:
             raise TrainSetupError(f'cannot resume from {cfg.resume}: {problem}; --holdout tests those weights at '
