@@ -353,6 +353,7 @@ def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_pat
     card = open(os.path.join(hub.export_folder(ckpt, str(tmp_path / 'repo_pending')), 'README.md')).read()
     assert 'was held out and never trained on, and chose the best epoch' in card
     assert 'has not written its test-split numbers' in card and 'no held-out split' not in card
+    assert "These weights are epoch 0's." in card
     # a fresh run without --holdout into the same folder: the earlier run's results.json goes with its weights,
     # so the card of the new weights claims no held-out protocol
     (tmp_path / 'rpm' / 'results.json').write_text(json.dumps(results))

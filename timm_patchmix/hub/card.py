@@ -80,7 +80,7 @@ def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str
                 f'Protocol: a fixed {float(holdout.get("fraction", 0)) * 100:g}% of the training split (seed '
                 f'{holdout.get("seed")}) was held out and never trained on, and chose the best epoch. The run that '
                 'made these weights has not written its test-split numbers (`results.json`, written when a run '
-                'ends), so this card gives none.']
+                'ends), so this card gives none.' + _whose(epoch, None, None)]
 
     def mark(e: int) -> str:
         return ' (these weights)' if epoch == e else ''
