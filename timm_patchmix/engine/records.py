@@ -304,7 +304,9 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
         return start.rows[e] if 0 <= e < len(start.rows) else None
 
     def holds(folder: str, name: str, e: int) -> bool:
-        return _record_of(os.path.join(folder, name)) == (e, row(e)) and row(e) is not None
+        # (a state or file without the summary row, from an early version, is matched by its epoch alone)
+        held, metrics = _record_of(os.path.join(folder, name))
+        return held == e and (metrics is None or row(e) is None or metrics == row(e))
 
     own = dict(meta, epoch=epoch, metrics=row(epoch)) if row(epoch) is not None else dict(meta, epoch=epoch)
     wanted = [('last.safetensors', epoch)]
