@@ -358,6 +358,10 @@ def test_robustness_errors_are_one_line_not_tracebacks(capsys, tmp_path):
                             *((('cuda', 'names a CUDA device, and this machine has none'),)
                               if not torch.cuda.is_available() else ())):
         expect_usage_error(capsys, search_main, ['--checkpoint', best, '--device', device], message, flag='--device')
+        if device != 'cuda':  # train.py: one error line, before anything is written (its CUDA case is its own test)
+            with pytest.raises(SystemExit, match=f'--device {device}: .*' + re.escape(message)):
+                train.main(['--epochs', '1', '--output', str(tmp_path / 'd'), '--device', device])
+            assert not (tmp_path / 'd').exists()
     expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--val-split', 'nosuch'],
                        "'nosuch' is not a split of patchshapes", flag='--val-split')
 

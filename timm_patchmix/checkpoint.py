@@ -181,21 +181,26 @@ def _pickle_kind(path: str) -> Optional[str]:
     return None
 
 
-def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def _unreadable(path: str, e: Exception) -> CheckpointError:
+    kind = _pickle_kind(path)
+    if kind:
+        return CheckpointError(f'{path} is {kind}, not a safetensors file; timm_patchmix reads only safetensors '
+                               f'(unpickling a file can run code). If you trust the file, load it with torch.load '
+                               f'and save its state dict with safetensors.torch.save_file')
+    return CheckpointError(f'{path} is not a readable safetensors file (truncated or corrupt?): {e}')
+
+
+def read_meta(path: str) -> Dict[str, Any]:
+    """The JSON metadata of a file this project wrote, without reading its tensors (``CheckpointError`` for a
+    missing, unreadable or pickled file and for metadata that is not a JSON object)."""
     if not os.path.isfile(path):
         raise CheckpointError(f'checkpoint {path} does not exist')
     try:
         from safetensors import safe_open
         with safe_open(path, framework='pt') as f:
             md = f.metadata() or {}
-        tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        kind = _pickle_kind(path)
-        if kind:
-            raise CheckpointError(f'{path} is {kind}, not a safetensors file; timm_patchmix reads only '
-                                  f'safetensors (unpickling a file can run code). If you trust the file, load it '
-                                  f'with torch.load and save its state dict with safetensors.torch.save_file') from None
-        raise CheckpointError(f'{path} is not a readable safetensors file (truncated or corrupt?): {e}') from None
+        raise _unreadable(path, e) from None
     try:
         meta = json.loads(md.get(_META_KEY, '{}'))
     except (json.JSONDecodeError, RecursionError) as e:
@@ -204,6 +209,15 @@ def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         raise CheckpointError(f'{path}: the {_META_KEY} metadata must be a JSON object, got {type(meta).__name__}')
     if meta.get('kind') is not None and not isinstance(meta['kind'], str):
         raise CheckpointError(f'{path}: metadata kind must be a string, got {meta["kind"]!r}')
+    return meta
+
+
+def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    meta = read_meta(path)
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _unreadable(path, e) from None
     return tensors, meta
 
 

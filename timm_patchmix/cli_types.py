@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'nonneg_int', 'positive_float',
            'nonneg_float', 'probability', 'fraction', 'existing_file', 'optional_file', 'new_file', 'directory',
-           'optional_directory', 'file_or_name', 'device_name']
+           'optional_directory', 'file_or_name', 'device_name', 'device_problem']
 
 
 def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
@@ -177,16 +177,24 @@ def file_or_name(text: str) -> str:
     return _not_a_folder(text, 'a file or a name', 'string')
 
 
-def device_name(text: str) -> str:
-    """A ``--device``: a name torch parses (``cpu``, ``cuda``, ``cuda:1``...), of a device that holds data, and a
-    CUDA one only where CUDA is available."""
+def device_problem(text: str) -> Optional[str]:
+    """What is wrong with a ``--device`` name (None: nothing): torch cannot parse it, it is the meta device, which
+    holds no data, or a CUDA device on a machine without CUDA."""
     import torch
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f'not a torch device: {text!r} ({e})') from None
+        return f'not a torch device: {text!r} ({e})'
     if dev.type == 'meta':
-        raise argparse.ArgumentTypeError(f"{text!r} holds no data to compute with; give 'cpu' or 'cuda'")
+        return f"{text!r} holds no data to compute with; give 'cpu' or 'cuda'"
     if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f'{text!r} names a CUDA device, and this machine has none')
+        return f'{text!r} names a CUDA device, and this machine has none; give cpu'
+    return None
+
+
+def device_name(text: str) -> str:
+    """A ``--device`` of :func:`device_problem`'s checks."""
+    problem = device_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text

@@ -585,13 +585,17 @@ def image_transform(input_size, is_training: bool, use_prefetcher: bool, mean, s
                                        mean=mean, std=std, **extra)])
 
 
+# the data config a checkpoint records and a model's pretrained cfg carries, as timm names it
+DATA_CONFIG_KEYS = ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')
+
+
 def recorded_data_config(data: dict, model: torch.nn.Module) -> dict:
     """A checkpoint's ``data`` record with its ``input_size``, ``mean``, ``std``, ``interpolation`` and ``crop_pct``
     completed from ``model``'s data config, as ``train.py`` took them, for checkpoints written before all of these
     were recorded. Evaluation outside ``train.py`` (FGSM, the search) makes its pixels with these."""
     from timm.data import resolve_data_config
     cfg = resolve_data_config({}, model=model)
-    return dict(data, **{k: data.get(k) or cfg[k] for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')})
+    return dict(data, **{k: data.get(k) or cfg[k] for k in DATA_CONFIG_KEYS})
 
 
 def pixel_transform(in_chans: int, height: int, width: int, interpolation: str = 'bilinear',

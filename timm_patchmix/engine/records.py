@@ -271,14 +271,12 @@ def _epoch_of(path: str) -> Optional[int]:
 
 def _record_of(path: str) -> Tuple[Optional[int], Optional[Dict[str, Any]]]:
     """``(epoch, metrics)`` of a weights file's metadata: the epoch and its summary row (Nones where unreadable)."""
-    import json
-    from safetensors import safe_open
+    from ..checkpoint import CheckpointError, read_meta
     try:
-        with safe_open(path, framework='pt') as f:
-            meta = json.loads((f.metadata() or {}).get('timm_patchmix', '{}'))
-    except Exception:  # missing, truncated or not safetensors: not the epoch's file either way
+        meta = read_meta(path)
+    except CheckpointError:  # missing, truncated or not safetensors: not the epoch's file either way
         return None, None
-    epoch = meta.get('epoch') if isinstance(meta, dict) else None
+    epoch = meta.get('epoch')
     if not isinstance(epoch, int) or isinstance(epoch, bool):
         return None, None
     return epoch, meta.get('metrics') if isinstance(meta.get('metrics'), dict) else None

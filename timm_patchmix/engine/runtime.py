@@ -37,15 +37,11 @@ def init_runtime(device: Optional[str] = None) -> Runtime:
     through ``timm.utils.init_distributed_device`` (NCCL on GPUs, gloo on the CPU). A process group that already
     exists is joined as it is and left for its owner to end."""
     from timm.utils import init_distributed_device
+    from ..cli_types import device_problem
     name = device or ('cuda' if torch.cuda.is_available() else 'cpu')
-    try:
-        kind = torch.device(name).type
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise TrainSetupError(f'--device {name}: not a torch device ({e}); use e.g. cpu or cuda') from None
-    if kind == 'meta':
-        raise TrainSetupError(f"--device {name}: the meta device holds no data to train with; use cpu or cuda")
-    if name.startswith('cuda') and not torch.cuda.is_available():
-        raise TrainSetupError(f'--device {name}: CUDA is not available on this machine; use --device cpu')
+    problem = device_problem(name)
+    if problem is not None:
+        raise TrainSetupError(f'--device {name}: {problem}')
     if dist.is_initialized():
         from timm.utils import world_info_from_env
         local_rank = world_info_from_env()[0]

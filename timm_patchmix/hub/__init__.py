@@ -22,6 +22,7 @@ from typing import Optional
 
 from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights,
                           temp_dir)
+from ..data import DATA_CONFIG_KEYS
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary
 from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
@@ -75,7 +76,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
             table_doc = json.load(f)
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
-    data_config = {k: data[k] for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct') if data.get(k)}
+    data_config = {k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)}
     metrics, results = _summary(checkpoint), _results(checkpoint)
     model_config = {'timm_patchmix': {'method': 'guided' if table_doc else 'random',
                                       'grid': list(model.grid), 'dataset': data.get('dataset') or 'patchshapes',

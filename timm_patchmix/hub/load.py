@@ -11,12 +11,12 @@ import torch.nn as nn
 import timm
 
 from ..checkpoint import CheckpointError, load_weights, save_weights
+from ..data import DATA_CONFIG_KEYS
 from ..validation import Fields, check_hub_config, check_tensor_kinds
 
 __all__ = ['model_from_weights', 'load_model', 'load_backbone', 'backbone_state_dict', 'export_backbone']
 
 _SOURCES = ('hf-hub:', 'local-dir:')
-_DATA_CFG = ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')  # a checkpoint's data config, as timm's cfg
 
 
 def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any]]:
@@ -40,7 +40,7 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
         raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
                               f'{kwargs}: {e}') from None
     # the model reports the data it was trained on (timm's resolve_model_data_config reads its pretrained cfg)
-    data = {k: v for k, v in (meta.get('data') or {}).items() if k in _DATA_CFG and v is not None}
+    data = {k: v for k, v in (meta.get('data') or {}).items() if k in DATA_CONFIG_KEYS and v is not None}
     if data and isinstance(getattr(model, 'pretrained_cfg', None), dict):
         cfg = dict(model.pretrained_cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
         if 'input_size' in data:  # the architecture's test-time size and crop belong to its own training size
@@ -121,8 +121,7 @@ def backbone_state_dict(source) -> Tuple[str, Dict[str, torch.Tensor], Dict[str,
         raise CheckpointError(f'{source} is not a patchhead_ model')
     arch = model.pretrained_cfg['architecture'][len('patchhead_'):]
     state = {k[len('backbone.'):]: v for k, v in model.state_dict().items() if k.startswith('backbone.')}
-    cfg = {k: model.pretrained_cfg.get(k) for k in ('input_size', 'mean', 'std', 'interpolation', 'crop_pct')
-           if model.pretrained_cfg.get(k) is not None}
+    cfg = {k: model.pretrained_cfg.get(k) for k in DATA_CONFIG_KEYS if model.pretrained_cfg.get(k) is not None}
     cfg['num_classes'] = model.num_classes
     return arch, state, cfg
 
