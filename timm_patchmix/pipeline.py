@@ -241,8 +241,11 @@ def _check_finished_inputs(args, seed: int) -> List[str]:
         if not os.path.isfile(table):
             problems.append(paragraph('search', 'its mask table', table, 'guided_pm', ['guided_pm']))
         else:
-            _finished_table(table, seed)  # a damaged table is named as such, not as a changed setting
-            _check_phase(args, folders['guided_pm'], _phase_settings(args, seed, _guided_settings(args, table)))
+            try:
+                _check_phase(args, folders['guided_pm'], _phase_settings(args, seed, _guided_settings(args, table)))
+            except SettingsChangedError:
+                _finished_table(table, seed)  # a damaged table is named as such, not as a changed setting
+                raise
     return problems
 
 
