@@ -475,6 +475,27 @@ def test_train_resume_of_a_lamb_state(tmp_path):
     assert [r['epoch'] for r in res['rows']] == [0, 1]
     again = load_state(str(tmp_path / 'lamb' / 'state.safetensors'))
     assert float(again['optimizer']['param_groups'][0]['step']) == 4.0
+    # stored in the one tagged form of values JSON cannot hold
+    from timm_patchmix.checkpoint import read_meta
+    om = read_meta(str(tmp_path / 'lamb' / 'state.safetensors'))['optimizer']
+    n_groups = len(om['param_groups'])
+    assert 'group_tensors' not in om and om['encoded']['param_groups'] == {str(k): ['betas', 'step']
+                                                                           for k in range(n_groups)}
+    assert om['param_groups'][0]['step'] == {'tensor': 'optim_group.0.step'}
+
+    def earlier(meta, t):  # the layout of earlier versions: the group's tensors named in group_tensors
+        o = meta['optimizer']
+        for g in o['param_groups']:
+            g['step'] = None
+        o['encoded']['param_groups'] = {str(k): ['betas'] for k in range(n_groups)}
+        o['group_tensors'] = {str(k): ['step'] for k in range(n_groups)}
+    shutil.copytree(tmp_path / 'lamb', tmp_path / 'old')
+    _rewrite_meta(str(tmp_path / 'old' / 'state.safetensors'), earlier)
+    old = load_state(str(tmp_path / 'old' / 'state.safetensors'))
+    assert all(torch.equal(g['step'], h['step'])
+               for g, h in zip(old['optimizer']['param_groups'], again['optimizer']['param_groups']))
+    res = resume_train(tmp_path, 'old', flags, epochs=3)
+    assert [r['epoch'] for r in res['rows']] == [0, 1, 2]
     # a record naming a group the state does not have is refused before anything is loaded
     _rewrite_meta(str(tmp_path / 'lamb' / 'state.safetensors'),
                   lambda meta, t: meta['optimizer'].__setitem__('group_tensors', {'7': ['step']}))
@@ -516,3 +537,57 @@ def test_train_with_a_second_order_optimizer(tmp_path, capsys):
     assert e.value.code == 2 and 'argument --torchcompile: --opt adahessian differentiates the gradients again, ' \
         'which torch.compile cannot' in err, err
     assert not (tmp_path / 'c').exists()
+
+
+def test_train_resume_checks_the_data_not_its_path(tmp_path):
+    """--data-dir may change on a resume (the data moved); other data behind it may not: other class names, or
+    images added to a split, are named with their old and new values, and nothing is written."""
+    from PIL import Image
+
+    def folder(root, classes=('ant', 'bee', 'cat'), extra=0):
+        for split in ('train', 'validation'):
+            for k, c in enumerate(classes):
+                os.makedirs(root / split / c, exist_ok=True)
+                for i in range(4 + (extra if split == 'train' and k == 0 else 0)):
+                    Image.new('RGB', (8, 8), (40 * k + 10 * i, 0, 0)).save(root / split / c / f'{i}.png')
+        return str(root)
+
+    out = tmp_path / 'out'
+    flags = ['-b', '4', '-j', '0', '--no-progress', '--device', 'cpu', '--model', 'patchhead_resnet32_cifar',
+             '--img-size', '32', '--patchmix', '--output', str(out), '--experiment', 'run']
+    train_main(flags + ['--data-dir', folder(tmp_path / 'data'), '--epochs', '1'])
+    state = str(out / 'run' / 'state.safetensors')
+    before = snapshot(out)
+    refused(lambda: train_main(flags + ['--data-dir', folder(tmp_path / 'more', extra=2), '--epochs', '2',
+                                        '--resume', state]),
+            ('the data: images in its splits (train, val, test)', '[12, 12, 0]', '[14, 12, 0]'))
+    refused(lambda: train_main(flags + ['--data-dir', folder(tmp_path / 'other', ('ant', 'bee', 'dog')),
+                                        '--epochs', '2', '--resume', state]),
+            ('the data: class names', "['ant', 'bee', 'cat']", "['ant', 'bee', 'dog']"))
+    assert snapshot(out) == before
+    shutil.move(str(tmp_path / 'data'), str(tmp_path / 'moved'))  # the same data elsewhere resumes
+    res = train_main(flags + ['--data-dir', str(tmp_path / 'moved'), '--epochs', '2', '--resume', state])
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+
+
+def test_train_resume_may_change_the_drop_rates_in_model_kwargs_too(tmp_path):
+    """--drop, --drop-path and --drop-block may change on a resume; so may the same rates given in --model-kwargs
+    (also against a state of a version that recorded them there), while its other keys are still compared."""
+    out = tmp_path / 'out'
+    flags = ['--model', 'resnet32_cifar', '--mixup', '0.2']
+    train_main(TINY + ['--epochs', '1', '--output', str(out), '--experiment', 'run', '--model-kwargs',
+                       'drop_rate=0.1'] + flags)
+    state = out / 'run' / 'state.safetensors'
+
+    def older(meta, tensors):  # as an earlier version recorded it
+        meta['settings']['--model-kwargs'] = {'drop_rate': 0.1}
+    _rewrite_meta(str(state), older)
+    before = snapshot(out)
+    refused(lambda: resume_train(out, 'run', flags + ['--model-kwargs', 'drop_rate=0.3', 'global_pool=max']),
+            ('--model-kwargs', '{}', "{'global_pool': 'max'}"))
+    assert snapshot(out) == before
+    res = resume_train(out, 'run', flags + ['--model-kwargs', 'drop_rate=0.3'])
+    assert [r['epoch'] for r in res['rows']] == [0, 1]
+    import yaml
+    with open(out / 'run' / 'args.yaml') as f:
+        assert yaml.safe_load(f)['model_kwargs'] == {'drop_rate': 0.3}

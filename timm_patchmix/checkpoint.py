@@ -431,10 +431,11 @@ def _check_encoded(f: Fields, v: Any, name: str) -> None:
 
 def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """An optimizer's state dict as file tensors plus JSON. A tensor of a parameter's state is the file's
-    ``optim.<index>.<name>`` (None in the JSON); a tensor setting of a group (timm's Lamb counts its steps in one) is
-    ``optim_group.<group>.<name>``, named in ``group_tensors``; any other value JSON cannot hold as it is (a tuple:
-    Adam's betas; a dtype: timm's big-vision Adafactor; a list of tensors: timm's Kron) is :func:`_encode`-d and
-    named in ``encoded``; entries of the state dict besides ``state`` and ``param_groups`` (Kron's random generator
+    ``optim.<index>.<name>`` (None in the JSON); any other value JSON cannot hold as it is (a tensor setting of a
+    group: timm's Lamb counts its steps in one, stored as ``optim_group.<group>.<name>``; a tuple: Adam's betas; a
+    dtype: timm's big-vision Adafactor; a list of tensors: timm's Kron) is :func:`_encode`-d and named in
+    ``encoded`` (states of earlier versions name a group's tensors in ``group_tensors`` instead, still read);
+    entries of the state dict besides ``state`` and ``param_groups`` (Kron's random generator
     state) are ``extra``, encoded."""
     tensors: Dict[str, torch.Tensor] = {}
     state_meta: Dict[str, Any] = {}
@@ -455,22 +456,13 @@ def _split_optimizer(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[
             else:
                 entry[name] = plain(v, 'state', str(idx), name, 'optim')
         state_meta[str(idx)] = entry
-    groups, group_tensors = [], {}
-    for k, group in enumerate(sd['param_groups']):
-        names = [name for name, v in group.items() if isinstance(v, torch.Tensor)]
-        for name in names:
-            _put(tensors, f'optim_group.{k}.{name}', group[name])
-        groups.append({name: None if name in names else plain(v, 'param_groups', str(k), name, 'optim_group')
-                       for name, v in group.items()})
-        if names:
-            group_tensors[str(k)] = names
+    groups = [{name: plain(v, 'param_groups', str(k), name, 'optim_group') for name, v in group.items()}
+              for k, group in enumerate(sd['param_groups'])]
     out: Dict[str, Any] = {'state': state_meta, 'param_groups': groups}
     extra = {key: _encode(v, f'optim_extra.{key}', tensors) for key, v in sd.items()
              if key not in ('state', 'param_groups')}
     if extra:
         out['extra'] = extra
-    if group_tensors:
-        out['group_tensors'] = group_tensors
     if encoded['state'] or encoded['param_groups']:
         out['encoded'] = {k: v for k, v in encoded.items() if v}
     return tensors, out

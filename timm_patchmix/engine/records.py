@@ -14,9 +14,9 @@ import yaml
 from .config import TrainConfig
 from .errors import TrainSetupError
 
-__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 'csv_text', 'weights_meta',
-           'ResumePoint', 'load_resume', 'checkpoint_history', 'scheduler_state', 'load_scheduler_state', 'write_args',
-           'write_start', 'save_epoch']
+__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 'data_identity', 'csv_text',
+           'weights_meta', 'ResumePoint', 'load_resume', 'checkpoint_history', 'scheduler_state',
+           'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
@@ -37,12 +37,25 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'bce_pos_weight', 'aug_repeats', 'eval_metric', 'val_split', 'val_subset')
 
 
+# the dropout rates of --model-kwargs (those --drop, --drop-path and --drop-block set, and the attention models'):
+# rates of layers without weights, which may change on a resume as those flags may, so --model-kwargs is compared
+# without them
+RATE_KWARGS = ('drop_rate', 'drop_path_rate', 'drop_block_rate', 'attn_drop_rate', 'proj_drop_rate', 'pos_drop_rate',
+               'patch_drop_rate')
+
+
+def _without_rates(value: Any) -> Any:
+    return {k: v for k, v in value.items() if k not in RATE_KWARGS} if isinstance(value, dict) else value
+
+
 def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, Any]:
-    """The :data:`RESUME_SETTINGS` of ``run_args`` (a run's settings as a dict) under their flag names; with
-    ``table``, ``--patchmix-table`` as the table's content (a path alone cannot tell an edited table from the same
-    one)."""
+    """The :data:`RESUME_SETTINGS` of ``run_args`` (a run's settings as a dict) under their flag names
+    (``--model-kwargs`` without the :data:`RATE_KWARGS`); with ``table``, ``--patchmix-table`` as the table's content
+    (a path alone cannot tell an edited table from the same one)."""
     out = {('--patchmix-grid' if k == 'grid' else '--' + k.replace('_', '-')): run_args[k]
            for k in RESUME_SETTINGS if k in run_args}
+    if '--model-kwargs' in out:
+        out['--model-kwargs'] = _without_rates(out['--model-kwargs'])
     if '--holdout' in out and not out['--holdout']:
         out['--holdout-seed'] = None  # no holdout: its seed means nothing
     if table:
@@ -50,6 +63,20 @@ def resume_settings(run_args: Dict[str, Any], table: bool = True) -> Dict[str, A
         path = run_args.get('patchmix_table')
         out['--patchmix-table'] = file_record(path) if path else None
     return out
+
+
+# the data's own record in a state's settings (not a flag: the data may move, --data-dir with it)
+DATA_CLASSES, DATA_IMAGES = 'the data: class names', 'the data: images in its splits (train, val, test)'
+
+
+def data_identity(data) -> Dict[str, Any]:
+    """What a resume checks of the data itself, beside the flags that choose it: the class names and the number of
+    images in each whole split, before any ``--*-subset`` (of a :class:`~timm_patchmix.engine.loaders.Datasets`;
+    the test split is ``--val-split`` under ``--holdout``, else 0). A folder that moved (another ``--data-dir``)
+    resumes; another dataset, or one with classes or images added or removed, is refused."""
+    def whole(split) -> int:
+        return 0 if split is None else len(getattr(split, 'base', split))
+    return {DATA_CLASSES: list(data.class_names), DATA_IMAGES: [whole(data.train), whole(data.val), whole(data.test)]}
 
 
 def csv_text(rows: List[Dict[str, Any]]) -> str:
@@ -158,6 +185,8 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
         recorded = dict(resume_settings(saved, table=False), **recorded)
     if isinstance(recorded, dict):  # the model and class count, compared and named with the other settings
         recorded, settings = dict(recorded), dict(settings)
+        if '--model-kwargs' in recorded:  # a state of a version that compared the rates too
+            recorded['--model-kwargs'] = _without_rates(recorded['--model-kwargs'])
         for key, flag, have in (('model', '--model', cfg.model), ('num_classes', '--num-classes', cfg.num_classes)):
             if saved.get(key) is not None:
                 recorded[flag], settings[flag] = saved[key], have

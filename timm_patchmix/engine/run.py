@@ -17,9 +17,9 @@ from .errors import ConfigError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
-from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, load_resume, load_scheduler_state,
-                      restore_weights_files, resume_settings, save_epoch, scheduler_state, weights_meta, write_args,
-                      write_start)
+from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, data_identity, load_resume,
+                      load_scheduler_state, restore_weights_files, resume_settings, save_epoch, scheduler_state,
+                      weights_meta, write_args, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -301,7 +301,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     per_epoch = updates_per_epoch(len(loaders.train), cfg.grad_accum_steps)  # optimizer updates in an epoch
     optimizer, scheduler, num_epochs = _optimization(cfg, model, per_epoch)
     _check_second_order(cfg, rt, optimizer)
-    settings = resume_settings(cfg.record())
+    settings = dict(resume_settings(cfg.record()), **data_identity(data))
     start = load_resume(cfg, settings)
     if start.model_state is not None:
         try:
