@@ -293,3 +293,24 @@ def test_errors_are_plain_exceptions_and_write_nothing(tmp_path):
     with pytest.raises(TrainSetupError, match='use --model patchhead_resnet32_cifar'):
         train(TrainConfig(model='resnet32_cifar', patchmix=True, output=str(tmp_path), experiment='c', **TINY))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_in_the_way_of_the_run_folder_and_a_folder_to_resume_are_named(tmp_path, monkeypatch):
+    """``output`` (or ``output/experiment``, or a folder above them) that is a file: a TrainSetupError naming it
+    before the data and the model are built (it was an OSError of makedirs after them); ``resume`` naming a run
+    folder rather than its state file says so (it said the folder did not exist)."""
+    import timm_patchmix.engine.run as run_mod
+    afile = tmp_path / 'afile'
+    afile.write_text('kept')
+    built = []
+    monkeypatch.setattr(run_mod, '_setup', lambda *a: built.append(a) or pytest.fail('built before the check'))
+    for output, experiment in ((afile, 'x'), (tmp_path, 'afile'), (afile / 'below', 'x'), (afile, '')):
+        with pytest.raises(TrainSetupError, match=f'cannot make the run folder under --output .*: {afile} is a '
+                                                  f'file, not a folder; give another --output or --experiment'):
+            train(TrainConfig(output=str(output), experiment=experiment, **TINY))
+    assert afile.read_text() == 'kept' and built == [] and sorted(os.listdir(tmp_path)) == ['afile']
+    monkeypatch.undo()
+    run = train(TrainConfig(output=str(tmp_path), experiment='run', **TINY)).output
+    with pytest.raises(TrainSetupError, match=f'checkpoint {run} is a folder, not a file \\(it holds '
+                                              f'state.safetensors, best.safetensors, last.safetensors: name one'):
+        train(TrainConfig(output=str(tmp_path), experiment='again', resume=run, **TINY))

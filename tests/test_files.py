@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import timm_patchmix  # noqa: F401
 from timm_patchmix import hub
 from timm_patchmix.checkpoint import CheckpointError, atomic_write_text, load_state, save_state, save_weights
+from timm_patchmix.checkpoint import tensors_digest as ckpt_digest
 from timm_patchmix.data import PATCHSHAPES_CLASSES
 from timm_patchmix.guided import MaskTable, MaskTableError, dataset_fingerprint
 from timm_patchmix.search.genome import Individual, grid_to_bits
@@ -54,6 +55,8 @@ def tamper(src, dst, meta_fn=None, tensors_fn=None):
     if tensors_fn:
         tensors_fn(tensors)
     md['timm_patchmix'] = json.dumps(meta)
+    if 'timm_patchmix.sha256' in md:  # re-signed: a well-formed file whose values the checks must catch
+        md['timm_patchmix.sha256'] = ckpt_digest(tensors)
     save_file(tensors, dst, metadata=md)
     return dst
 
@@ -772,3 +775,58 @@ def test_a_training_state_given_as_weights_is_named_as_such(tmp_path):
     with pytest.raises(CheckpointError, match=r'state\.safetensors is a training state \(to --resume from\), not '
                                               r'model weights: give the run\'s best\.safetensors'):
         hub.model_from_weights(state)
+
+
+def _flip_a_value_byte(path):
+    """Flip one bit of the last tensor byte of a safetensors file (its header and sizes stay valid)."""
+    data = bytearray(open(path, 'rb').read())
+    data[-1] ^= 0x10
+    with open(path, 'wb') as f:
+        f.write(bytes(data))
+
+
+def test_a_bit_flipped_in_the_tensor_data_is_named_by_every_reader(tmp_path):
+    """safetensors checks a file's header and sizes, not its bytes: one flipped bit of a weight loaded as other
+    weights. Weights, training states and search states now carry the SHA-256 of their tensors, and every reader
+    (load_weights, load_state, the hub, train.py --resume / --initial-checkpoint) names a file whose tensors differ;
+    a file without the digest (an earlier version's, another writer's) loads as before."""
+    from timm_patchmix.checkpoint import load_bundle, load_weights, save_bundle
+    ckpt = make_checkpoint(str(tmp_path / 'w.safetensors'))
+    with safe_open(ckpt, framework='pt') as f:
+        recorded = f.metadata()['timm_patchmix.sha256']
+    assert recorded == ckpt_digest(load_file(ckpt))  # the digest of the tensors as read back
+    good = open(ckpt, 'rb').read()
+    _flip_a_value_byte(ckpt)
+    corrupt = r'w\.safetensors is corrupt: its tensors differ from those it was written with'
+    for read in (load_weights, hub.model_from_weights):
+        with pytest.raises(CheckpointError, match=corrupt):
+            read(ckpt)
+    with pytest.raises(SystemExit, match='error: .*' + corrupt):
+        train_main(['--initial-checkpoint', ckpt, '--model', 'patchhead_resnet32_cifar', '--epochs', '1',
+                    '--output', str(tmp_path / 'runs'), '--train-subset', '16', '--val-subset', '16', '-b', '16',
+                    '-j', '0', '--no-progress'])
+    # a file without the digest: not checked
+    with open(ckpt, 'wb') as f:
+        f.write(good)
+    with safe_open(ckpt, framework='pt') as f:
+        md = {k: v for k, v in f.metadata().items() if k != 'timm_patchmix.sha256'}
+    save_file(load_file(ckpt), ckpt, metadata=md)
+    _flip_a_value_byte(ckpt)
+    load_weights(ckpt)
+    # a training state and a search state
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = str(tmp_path / 'state.safetensors')
+    save_state(state, model.state_dict(), opt, {'epoch': 0, 'seed': 0})
+    load_state(state)
+    _flip_a_value_byte(state)
+    with pytest.raises(CheckpointError, match=r'state\.safetensors is corrupt'):
+        load_state(state)
+    bundle = str(tmp_path / 'bundle.safetensors')
+    save_bundle(bundle, {'x': torch.arange(10)}, {'a': 1}, 'search_state')
+    assert torch.equal(load_bundle(bundle, 'search_state')[0]['x'], torch.arange(10))
+    _flip_a_value_byte(bundle)
+    with pytest.raises(CheckpointError, match=r'bundle\.safetensors is corrupt'):
+        load_bundle(bundle, 'search_state')

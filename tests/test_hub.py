@@ -688,3 +688,35 @@ def test_the_backbone_of_a_model_built_with_create_patchhead_keeps_its_build_arg
     with torch.no_grad():
         x = images()
         assert torch.equal(plain(x), model(x))
+
+
+def test_a_bit_flipped_in_a_hub_folders_weights_is_named_through_timms_loaders(trained, tmp_path):
+    """model.safetensors carries the SHA-256 of its tensors: a copy with one flipped bit of a weight (valid as
+    safetensors, so timm loaded it as other weights) is a CheckpointError naming the file, through local-dir:,
+    hf-hub: (from a local cache, offline) and hub.model_from_weights; the intact folder loads."""
+    folder = hub.export_folder(trained[0], str(tmp_path / 'repo'))
+    weights = os.path.join(folder, 'model.safetensors')
+    timm.create_model(f'local-dir:{folder}', pretrained=True)
+    data = bytearray(open(weights, 'rb').read())
+    data[-1] ^= 0x10
+    with open(weights, 'wb') as f:
+        f.write(bytes(data))
+    with pytest.raises(CheckpointError, match=r'model\.safetensors is corrupt: its tensors differ .* and fetch it '
+                                              r'again'):
+        timm.create_model(f'local-dir:{folder}', pretrained=True)
+    with pytest.raises(CheckpointError, match=r'model\.safetensors is corrupt'):
+        hub.model_from_weights(weights)
+    repo = f'{HUB_NAMESPACE}/flipped'
+    fake_hf_cache(str(tmp_path / 'cache'), repo, folder)
+    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
+               PYTHONPATH=PYPATH)
+    script = ('import sys, timm, timm_patchmix\n'
+              'from timm_patchmix.checkpoint import CheckpointError\n'
+              'try:\n'
+              '    timm.create_model("hf-hub:" + sys.argv[1], pretrained=True)\n'
+              'except CheckpointError as e:\n'
+              '    print("refused:", e)\n')
+    r = subprocess.run([sys.executable, '-c', script, repo], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'refused: ' in r.stdout and 'model.safetensors is corrupt' in r.stdout, \
+        r.stdout + r.stderr[-2000:]
+    assert 'hf cache delete' in r.stdout

@@ -189,3 +189,23 @@ def test_a_seed_given_twice_is_a_usage_error(tmp_path, capsys):
     assert e.value.code == 2
     assert 'argument --seeds: seed 0 given more than once' in capsys.readouterr().err
     assert not os.path.exists(tmp_path / 'p')
+
+
+def test_a_folder_that_cannot_be_made_is_the_callers_error_naming_it(tmp_path):
+    """A file where the folder (or one above it) would be: the caller's error naming the folder and why (it was
+    the OSError of makedirs), for a search's or a pipeline's output as for a training run's; the file is kept."""
+    from timm_patchmix.search import SearchError
+    afile = tmp_path / 'afile'
+    afile.write_text('kept')
+    for path, why in ((afile, 'it is a file, not a folder'), (afile / 'below', 'Not a directory')):
+        for error in (FolderBusyError, SearchError):
+            with pytest.raises(error, match=f'^cannot make the search folder {path}: {why}$'):
+                with hold_folder(str(path), 'search', error):
+                    pytest.fail('the block ran')
+    assert afile.read_text() == 'kept'
+    from timm_patchmix.search import SearchConfig, search
+    ckpt = make_checkpoint(str(tmp_path / 'ckpt.safetensors'))
+    with pytest.raises(SearchError, match=f'cannot make the search folder {afile}: it is a file, not a folder'):
+        search(SearchConfig(checkpoint=ckpt, output=str(afile), population=16, generations=2, k=4, val_subset=300,
+                            device='cpu'))
+    assert afile.read_text() == 'kept'

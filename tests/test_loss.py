@@ -233,3 +233,21 @@ def test_the_header_is_not_read_where_there_are_no_values_or_a_trace_runs():
     assert meta.device.type == 'meta' and meta.shape == ()
     with FakeTensorMode():
         assert PatchMixLoss()((torch.randn(4, 3), torch.randn(4, 4, 3)), torch.randn(*packed.shape)).shape == ()
+
+
+def test_an_empty_batch_and_a_plain_logits_target_of_another_grid_are_named():
+    """An empty batch (which the mixers and models pass through) is a ValueError naming it, not a division by zero
+    or a request for the grid the loss was given; on plain logits (a patch head in eval mode) a loss that knows
+    the model's grid checks a packed target's grid too, and scores one of its grid as without ``grid``."""
+    x, t = PatchMix(grid=4, num_classes=10)(torch.rand(0, 3, 32, 32), torch.zeros(0, dtype=torch.long))
+    for out in (torch.randn(0, 10), (torch.randn(0, 10), torch.randn(0, 16, 10))):
+        for loss in (PatchMixLoss(), PatchMixLoss(grid=4), PatchMixLoss(bce=True)):
+            with pytest.raises(ValueError, match=r'PatchMixLoss got an empty batch \(0 samples\)'):
+                loss(out, t)
+    with pytest.raises(ValueError, match='empty batch'):
+        PatchMixLoss()(torch.randn(0, 10), torch.zeros(0, dtype=torch.long))
+    _, packed = PatchMix(grid=(4, 3), num_classes=5)(torch.rand(4, 3, 12, 12), torch.randint(0, 5, (4,)))
+    logits = torch.randn(4, 5)
+    with pytest.raises(ValueError, match='packed target was built for a 4x3 grid, not 3x4'):
+        PatchMixLoss(grid=(3, 4))(logits, packed)
+    assert torch.equal(PatchMixLoss(grid=(4, 3))(logits, packed), PatchMixLoss()(logits, packed))

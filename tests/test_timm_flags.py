@@ -528,3 +528,58 @@ def test_settings_of_a_mixer_that_is_off_are_named_not_silently_dropped(tmp_path
           '--output', str(tmp_path), '--patchmix', '--random-prob', '0.5'])
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith('note: --random-prob 0.5 sets the guided batches of --patchmix-table') for line in out)
+
+
+def _table(path):
+    import numpy as np
+    from timm_patchmix.data import PATCHSHAPES_CLASSES
+    from timm_patchmix.guided import MaskTable, dataset_fingerprint
+    rng = np.random.default_rng(0)
+    pairs = [(i, i + 1) for i in range(0, 10, 2)]
+    MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), dataset_fingerprint('', PATCHSHAPES_CLASSES), pairs,
+              [rng.random((4, 4)) < 0.5 for _ in pairs], [0.1] * len(pairs), 0.1).save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize('collate', [False, True])
+def test_guided_patchmix_takes_the_alpha_and_names_the_settings_it_does_not_use(tmp_path, collate):
+    """With --patchmix-table the random part of each batch draws its masks with --patchmix-alpha (it used the
+    default 1.0 whatever the flag said); --patchmix-prob and --patchmix-mode, which only Random PatchMix without a
+    table reads, are named in a note."""
+    from timm_patchmix.collate import FastCollateGuidedPatchMix
+    from timm_patchmix.data import PATCHSHAPES_CLASSES
+    from timm_patchmix.engine.loaders import build_mixing
+    from timm_patchmix.guided import GuidedPatchMix
+    table = _table(tmp_path / 'masks.json')
+    cfg = TrainConfig(patchmix=True, patchmix_table=table, patchmix_alpha=0.3, patchmix_collate=collate,
+                      patchmix_prob=0.5, patchmix_mode='pair').with_recipe()
+    mixer, collate_fn = build_mixing(dataclasses.replace(cfg, num_classes=10, grid=(4, 4)), PATCHSHAPES_CLASSES)
+    guided = collate_fn.guided if collate else mixer
+    assert isinstance(guided, GuidedPatchMix) and isinstance(collate_fn, FastCollateGuidedPatchMix) == collate
+    assert guided.mixer.alpha == 0.3
+    assert cfg.unused_settings() == [
+        "--patchmix-prob 0.5 and --patchmix-mode pair set Random PatchMix's batches without --patchmix-table; with "
+        "the table, --guided-prob and --random-prob share out each batch, whose random part mixes element-wise "
+        "(--patchmix-alpha still draws its masks): they change nothing (drop --patchmix-table to use them)"]
+    assert TrainConfig(patchmix=True, patchmix_table=table, patchmix_alpha=0.3).unused_settings() == []
+
+
+def test_patch_loss_settings_of_a_plain_model_are_named(tmp_path, capsys):
+    """--no-image-loss, --patch-loss-weight and --per-position-head act on a patch head: with a plain model they
+    changed nothing silently; now a note says so. A patch-head model, or a config whose model is not resolved yet,
+    has no such note."""
+    flags = dict(no_image_loss=True, patch_loss_weight=0.3, per_position_head=True)
+    assert TrainConfig(model='resnet8_cifar', **flags).unused_settings() == []  # not resolved: unknown
+    assert TrainConfig(model='patchhead_resnet8_cifar', patch_head=True, **flags).unused_settings() == []
+    line = ('--no-image-loss and --patch-loss-weight 0.3 and --per-position-head set the loss terms of a patch '
+            'head, which resnet8_cifar does not have (its loss is on its image logits alone): they change nothing '
+            '(train a patchhead_ model to use them)')
+    assert TrainConfig(model='resnet8_cifar', patch_head=False, **flags).unused_settings() == [line]
+    from timm_patchmix.train import main
+    main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1',
+          '--output', str(tmp_path), '--model', 'resnet8_cifar', '--patchmix', '--no-patch-loss',
+          '--patch-loss-weight', '0.5'])
+    out = capsys.readouterr().out.splitlines()
+    line = ('note: --patch-loss-weight 0.5 sets the loss terms of a patch head, which resnet8_cifar does not have '
+            '(its loss is on its image logits alone): it changes nothing (train a patchhead_ model to use it)')
+    assert line in out, out

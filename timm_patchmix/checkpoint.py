@@ -6,6 +6,7 @@ means one atomic rename, so a kill can never pair weights of one epoch with stat
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -24,9 +25,12 @@ from .validation import Fields, check_python_rng, check_weights_meta
 
 __all__ = ['atomic_write_bytes', 'atomic_write_text', 'save_weights', 'load_weights', 'save_state', 'load_state',
            'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle', 'clean_stale_temps',
-           'temp_dir', 'release_temp']
+           'temp_dir', 'release_temp', 'tensors_digest', 'check_file_digest']
 
 _META_KEY = 'timm_patchmix'
+# the SHA-256 of a file's tensors (names, dtypes, shapes and bytes), beside its metadata: safetensors checks the
+# header and the sizes, not the bytes, so a damaged copy would otherwise load as other weights
+_DIGEST_KEY = 'timm_patchmix.sha256'
 
 
 class CheckpointError(ValueError):
@@ -160,10 +164,28 @@ def _contiguous(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
+def tensors_digest(tensors: Dict[str, torch.Tensor]) -> str:
+    """The SHA-256 of named tensors as a file holds them: each name, dtype, shape and the bytes of its values, in
+    name order (the same for the tensors written and those read back)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f'{name}\0{str(t.dtype)}\0{list(t.shape)}\0'.encode('utf-8'))
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _write(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    """``tensors`` and the JSON ``meta`` as one safetensors file, with the tensors' digest, atomically."""
+    tensors = _contiguous(tensors)
+    md = {_META_KEY: json.dumps(meta), 'format': 'pt', _DIGEST_KEY: tensors_digest(tensors)}
+    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=md))
+
+
 def save_weights(path: str, state_dict: Dict[str, torch.Tensor], meta: Optional[Dict[str, Any]] = None) -> None:
     """Write a model ``state_dict`` as safetensors, atomically, with optional JSON metadata."""
-    md = {_META_KEY: json.dumps(meta or {}), 'format': 'pt'}
-    _atomic(path, lambda tmp: save_file(_contiguous(state_dict), tmp, metadata=md))
+    _write(path, state_dict, meta or {})
 
 
 def _pickle_kind(path: str) -> Optional[str]:
@@ -193,6 +215,17 @@ def _unreadable(path: str, e: Exception) -> CheckpointError:
 def read_meta(path: str) -> Dict[str, Any]:
     """The JSON metadata of a file this project wrote, without reading its tensors (``CheckpointError`` for a
     missing, unreadable or pickled file and for metadata that is not a JSON object)."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
+    """:func:`read_meta`'s metadata and the tensors' digest the file was written with (None: a file of another
+    writer, or of a version before the digest)."""
+    if os.path.isdir(path):
+        inside = [n for n in ('state.safetensors', 'best.safetensors', 'last.safetensors')
+                  if os.path.isfile(os.path.join(path, n))]
+        raise CheckpointError(f'checkpoint {path} is a folder, not a file'
+                              + (f' (it holds {", ".join(inside)}: name one of them)' if inside else ''))
     if not os.path.isfile(path):
         raise CheckpointError(f'checkpoint {path} does not exist')
     try:
@@ -209,16 +242,33 @@ def read_meta(path: str) -> Dict[str, Any]:
         raise CheckpointError(f'{path}: the {_META_KEY} metadata must be a JSON object, got {type(meta).__name__}')
     if meta.get('kind') is not None and not isinstance(meta['kind'], str):
         raise CheckpointError(f'{path}: metadata kind must be a string, got {meta["kind"]!r}')
-    return meta
+    digest = md.get(_DIGEST_KEY)
+    return meta, digest if isinstance(digest, str) else None
 
 
 def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    meta = read_meta(path)
+    meta, digest = _read_header(path)
     try:
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise _unreadable(path, e) from None
+    _check_digest(path, tensors, digest)
     return tensors, meta
+
+
+def _check_digest(path: str, tensors: Dict[str, torch.Tensor], digest: Optional[str],
+                  remedy: str = 'restore it from where it came from') -> None:
+    if digest is not None and tensors_digest(tensors) != digest:
+        raise CheckpointError(f'{path} is corrupt: its tensors differ from those it was written with (their '
+                              f'SHA-256 does not match the one in its header), a damaged copy or download; {remedy}')
+
+
+def check_file_digest(path: str, tensors: Dict[str, torch.Tensor], remedy: str = 'restore it from where it came '
+                      'from') -> None:
+    """``tensors``, read from ``path`` by another loader (timm's), against the digest in the file's header (none
+    there, from another writer or an earlier version: nothing to check); ``CheckpointError`` ending in ``remedy``
+    when they differ."""
+    _check_digest(path, tensors, _read_header(path)[1], remedy)
 
 
 def _index(key: str) -> bool:
@@ -502,8 +552,7 @@ def save_state(path: str, model_state: Dict[str, torch.Tensor], optimizer: Optio
     meta['rng'] = rm
     if extra_tensors:
         tensors.update({f'extra.{k}': v for k, v in extra_tensors.items()})
-    md = {_META_KEY: json.dumps(meta), 'format': 'pt'}
-    _atomic(path, lambda tmp: save_file(_contiguous(tensors), tmp, metadata=md))
+    _write(path, tensors, meta)
 
 
 def load_state(path: str) -> Dict[str, Any]:
@@ -529,8 +578,7 @@ def load_state(path: str) -> Dict[str, Any]:
 
 def save_bundle(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], kind: str) -> None:
     """Write named tensors and a JSON document as one atomic safetensors file tagged with ``kind``."""
-    md = {_META_KEY: json.dumps(dict(meta, kind=kind)), 'format': 'pt'}
-    _atomic(path, lambda tmp: save_file(_contiguous(tensors), tmp, metadata=md))
+    _write(path, tensors, dict(meta, kind=kind))
 
 
 def load_bundle(path: str, kind: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:

@@ -105,11 +105,11 @@ class FastCollateGuidedPatchMix(FastCollatePatchMix):
 
     def __init__(self, table, guided_prob: float = 1 / 3, random_prob: float = 1 / 3,
                  num_classes: Optional[int] = None, label_smoothing: float = 0.0, grid: Optional[GridSpec] = None,
-                 fingerprint: Optional[str] = None, memory_size: int = 4):
+                 fingerprint: Optional[str] = None, memory_size: int = 4, alpha: float = 1.0):
         from .guided import GuidedPatchMix
         self.guided = GuidedPatchMix(table, guided_prob=guided_prob, random_prob=random_prob,
                                      num_classes=num_classes, label_smoothing=label_smoothing, grid=grid,
-                                     fingerprint=fingerprint, memory_size=memory_size)
+                                     fingerprint=fingerprint, memory_size=memory_size, alpha=alpha)
         super().__init__(grid=self.guided.grid, num_classes=self.guided.num_classes, label_smoothing=label_smoothing)
 
     def _switched(self):

@@ -85,12 +85,16 @@ def _command_of(pid: int) -> str:
 def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) -> Iterator[None]:
     """Create ``path`` if needed and hold an exclusive lock on it for the ``with`` block; ``what`` names the command
     in the message (``'training run'``, ``'search'``...). Raises ``error`` at once, before the block runs, when
-    another process holds the folder. Nothing is written to the folder.
+    another process holds the folder or it cannot be made. Nothing is written to the folder.
 
     One process must not hold the same folder twice (a second ``hold_folder`` on it raises, as from another
     process). A process forked inside the block does not hold the folder (its copy of the descriptor is closed at
     the fork), and leaving the block there releases nothing."""
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a file where the folder or one above it would be, no permission...
+        why = 'it is a file, not a folder' if os.path.lexists(path) else e.strerror or str(e)
+        raise error(f'cannot make the {what} folder {path}: {why}') from None
     try:
         import fcntl
     except ImportError:  # Windows

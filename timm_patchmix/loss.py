@@ -153,6 +153,8 @@ class PatchMixLoss(nn.Module):
                              'scalar')
         if target.shape[0] != b:
             raise ValueError(f'target batch size {target.shape[0]} does not match the logits batch size {b}')
+        if b == 0:  # (a mean over no samples: timm's losses give nan)
+            raise ValueError('PatchMixLoss got an empty batch (0 samples), whose mean loss is undefined')
 
         use_patch = patch_logits is not None and self.patch_loss
         if use_patch and self.image_loss and not self.bce and is_packed_target(target, c, patch_logits.shape[1]):
@@ -171,7 +173,7 @@ class PatchMixLoss(nn.Module):
             if ncell is not None and not is_packed_target(target, c, ncell):
                 raise ValueError(f'target of shape {list(target.shape)} is neither class indices, a [B, {c}] '
                                  f'soft target, nor a packed target for {c} classes and {ncell} cells')
-            image_t, patch_t = split_target(target, self.grid if use_patch else None)
+            image_t, patch_t = split_target(target, self.grid)  # (a given grid is checked on plain logits too)
             if image_t.shape[1] != c:
                 raise ValueError(f'packed target holds {image_t.shape[1]} classes but the logits have {c}')
 

@@ -448,22 +448,32 @@ class TrainConfig:
                               'prefetcher; drop --no-prefetcher or --patchmix-collate')
 
     def unused_settings(self) -> List[str]:
-        """Settings of a mixer that is off, each a line naming the flags and what would use them: they change
-        nothing (``--guided-prob`` without a table trains Random PatchMix, say). Their defaults stand for "not
-        given". Not refused: the pipeline gives its ``--train-args`` to every method's run, the baselines too."""
+        """Settings of a mixer or loss term that is off, each a line naming the flags and what would use them: they
+        change nothing (``--guided-prob`` without a table trains Random PatchMix, say). Their defaults stand for
+        "not given". Not refused: the pipeline gives its ``--train-args`` to every method's run, the baselines too.
+        The loss terms of a patch head are known once the model is (a resolved config's ``patch_head``)."""
         lines = []
-        for on, names, what, remedy in (
+        off = ', which is off in this run'
+        for on, names, what, why, remedy in (
                 (self.patchmix, ('patchmix_alpha', 'patchmix_prob', 'patchmix_mode', 'patchmix_collate',
-                                 'patchmix_off_epoch'), 'how --patchmix mixes', 'add --patchmix'),
-                (self.patchmix_table, ('guided_prob', 'random_prob'), 'the guided batches of --patchmix-table',
+                                 'patchmix_off_epoch'), 'how --patchmix mixes', off, 'add --patchmix'),
+                (self.patchmix_table, ('guided_prob', 'random_prob'), 'the guided batches of --patchmix-table', off,
                  'add --patchmix-table with a search\'s masks.json'),
+                (not (self.patchmix and self.patchmix_table), ('patchmix_prob', 'patchmix_mode'),
+                 'Random PatchMix\'s batches without --patchmix-table',
+                 '; with the table, --guided-prob and --random-prob share out each batch, whose random part mixes '
+                 'element-wise (--patchmix-alpha still draws its masks)', 'drop --patchmix-table'),
+                # (not --no-patch-loss, which asks for PatchMix on a plain model's image logits)
+                (self.patch_head is not False, ('no_image_loss', 'patch_loss_weight', 'per_position_head'),
+                 'the loss terms of a patch head', f', which {self.model} does not have (its loss is on its image '
+                 f'logits alone)', 'train a patchhead_ model'),
                 (self.mixup_active, ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'),
-                 'timm\'s Mixup/CutMix of --mixup/--cutmix', 'add --mixup or --cutmix')):
+                 'timm\'s Mixup/CutMix of --mixup/--cutmix', off, 'add --mixup or --cutmix')):
             given = [name for name in names if getattr(self, name) != _FIELDS[name].default]
             if given and not on:
                 flags = [' '.join(filter(None, (_flag(n), _shown(getattr(self, n))))) for n in given]
                 one = len(flags) == 1
-                lines.append(f'{" and ".join(flags)} {"sets" if one else "set"} {what}, which is off in this run: '
+                lines.append(f'{" and ".join(flags)} {"sets" if one else "set"} {what}{why}: '
                              f'{"it changes" if one else "they change"} nothing ({remedy} to use '
                              f'{"it" if one else "them"})')
         return lines

@@ -183,7 +183,7 @@ def build_mixing(cfg: TrainConfig, class_names):
         collate, mixer = (FastCollateMixup(**margs), None) if in_loader else (None, Mixup(**margs))
     elif cfg.patchmix and cfg.patchmix_table:
         from ..guided import GuidedPatchMix, MaskTableError, dataset_fingerprint
-        gargs = dict(guided_prob=cfg.guided_prob, random_prob=cfg.random_prob, grid=cfg.grid,
+        gargs = dict(guided_prob=cfg.guided_prob, random_prob=cfg.random_prob, grid=cfg.grid, alpha=cfg.patchmix_alpha,
                      fingerprint=dataset_fingerprint(cfg.dataset, class_names), **common)
         try:
             if cfg.patchmix_collate:

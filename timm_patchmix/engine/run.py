@@ -296,7 +296,26 @@ def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
     return model
 
 
+def _check_out_dir(cfg: TrainConfig) -> None:
+    """A run folder that cannot be made because a file stands where it or a folder above it would be: a
+    :class:`TrainSetupError` naming that file, before the data and the model are built."""
+    if cfg.resume and not cfg.experiment:
+        return  # the state's own folder
+    base = cfg.output or os.path.join('.', 'output', 'train')
+    path = os.path.abspath(os.path.join(base, cfg.experiment) if cfg.experiment else base)
+    while not os.path.isdir(path):
+        if os.path.lexists(path):
+            raise TrainSetupError(f'cannot make the run folder under --output {base}'
+                                  + (f' --experiment {cfg.experiment}' if cfg.experiment else '')
+                                  + f': {path} is a file, not a folder; give another --output or --experiment')
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:
+    _check_out_dir(cfg)
     cfg, data, model, model_kwargs, loaders, frozen = _setup(cfg, rt, log_data_config)
     per_epoch = updates_per_epoch(len(loaders.train), cfg.grad_accum_steps)  # optimizer updates in an epoch
     optimizer, scheduler, num_epochs = _optimization(cfg, model, per_epoch)

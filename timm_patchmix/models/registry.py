@@ -256,6 +256,21 @@ def _entrypoint(arch: str):
     return fn
 
 
+def _hub_cached_file(cfg: Dict[str, Any], cache_dir=None) -> Optional[str]:
+    """The Hub cache's copy of the ``model.safetensors`` that timm has just read for ``cfg`` (None where the
+    weights did not come from the Hub, or the cache does not say)."""
+    hub_id = cfg.get('hf_hub_id')
+    if cfg.get('hf_hub_filename') != 'model.safetensors' or not isinstance(hub_id, str):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    repo, _, revision = hub_id.partition('@')  # timm's 'org/name@revision'
+    found = try_to_load_from_cache(repo, 'model.safetensors', cache_dir=cache_dir, revision=revision or None)
+    return found if isinstance(found, str) else None
+
+
 def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans: int = 3, cache_dir=None) -> None:
     """Load a patchhead checkpoint through timm's own loader (Hub, local folder, file), turning a bad file into an
     error that says what to do.
@@ -267,9 +282,10 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
     them. A tensor of another kind than the model's (an integer or boolean tensor for a float parameter) is one too.
     """
     from timm.models import load_pretrained
-    from ..checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError, check_file_digest
     from ..validation import check_tensor_kinds
     where = cfg.get('file') or cfg.get('hf_hub_id') or cfg.get('url') or 'the pretrained cfg'
+    local = None  # the file timm reads, where it is known: its tensors are checked against its header's digest
     # safetensors only: timm's loaders would fall back to pickle files (pytorch_model.bin, .pth) where a folder,
     # a Hub repo or a file holds no safetensors. The branches follow the order in which load_pretrained picks
     # its source.
@@ -279,7 +295,7 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
             raise CheckpointError(f'{where} holds no model.safetensors: weights are read from safetensors only (a '
                                   f'pytorch_model.bin or other pickle file is never read); `timm-patchmix hub export` '
                                   f'writes such a folder')
-        where = os.path.join(cfg['file'], 'model.safetensors')
+        where = local = os.path.join(cfg['file'], 'model.safetensors')
     elif source == 'hf-hub' or (cfg.get('state_dict') is None and not cfg.get('file') and cfg.get('hf_hub_id')):
         cfg = dict(cfg, hf_hub_filename='model.safetensors')  # a repo without it fails; no .bin is tried
         where = f'{where} (its model.safetensors: weights are read from safetensors only)'
@@ -288,11 +304,16 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
         if named and not str(named).endswith('.safetensors'):
             raise CheckpointError(f'{where} is not a .safetensors file: weights are read from safetensors only (a '
                                   f'pickle file such as .pth or .bin is never read)')
+        local = cfg.get('file') or None
     heads = _heads(model.pretrained_cfg.get('classifier'))
     cfg = dict(cfg, classifier=heads)  # the model's own heads, whatever a cfg names
     fresh = model.num_classes != cfg.get('num_classes')  # load_pretrained drops both heads then
 
     def check(state, _model=None):
+        path = local or _hub_cached_file(cfg, cache_dir)
+        if path and os.path.isfile(path):
+            check_file_digest(path, state, 'delete the file (a Hub download: `hf cache delete`, or remove it under '
+                                           'HF_HUB_CACHE) and fetch it again')
         own = model.state_dict()
         in_head = (lambda k: any(k.startswith(h + '.') for h in heads)) if fresh else (lambda k: False)
         missing = [k for k in own if k not in state and not in_head(k)]
