@@ -209,7 +209,7 @@ def _epoch(path):
 
 def test_a_resume_into_another_folder_brings_the_best_and_kept_files(uninterrupted, tmp_path):
     """Resumed under another --experiment, the new folder holds the state's best epoch's weights (copied: they were
-    missing there, and a --holdout run then failed at its end), its last, and the kept history files."""
+    missing there, and a --holdout run then failed at its end), its last, the kept history files and the state."""
     from timm_patchmix.checkpoint import load_state
     state = os.path.join(uninterrupted, 'state.safetensors')
     before = load_state(state)['meta']
@@ -221,6 +221,9 @@ def test_a_resume_into_another_folder_brings_the_best_and_kept_files(uninterrupt
     assert _same_tensors(os.path.join(moved, 'best.safetensors'), os.path.join(uninterrupted, 'best.safetensors'))
     assert _same_tensors(os.path.join(moved, 'last.safetensors'), os.path.join(uninterrupted, 'last.safetensors'))
     assert _files(moved) == _files(uninterrupted)
+    # and the state, so that the new folder resumes (a finished run saves no epoch there to write one)
+    with open(state, 'rb') as a, open(os.path.join(moved, 'state.safetensors'), 'rb') as b_:
+        assert a.read() == b_.read()
     # into a folder that holds another run's files of the same epoch numbers: replaced by this run's
     other = train(TrainConfig(output=str(tmp_path), experiment='other', **dict(TINY, epochs=5, seed=3, lr=0.3)))
     train(TrainConfig(output=str(tmp_path), experiment='other', resume=state, **dict(TINY, epochs=5)))
@@ -296,3 +299,23 @@ def test_best_weights_that_are_gone_stop_a_holdout_resume_and_are_noted_otherwis
                       **dict(cfg, epochs=3)))
     assert 'best.safetensors should hold epoch 0' in capsys.readouterr().out
     assert _epoch(os.path.join(res.output, 'best.safetensors')) == 2  # epoch 2 scored better than -1
+
+
+def test_with_the_flag_the_folders_history_files_are_the_states(tmp_path):
+    """A run with --checkpoint-hist into a folder that holds an earlier run's history files (a rerun under the
+    same --experiment) left them beside its own, passing for epochs of this run; now each saved epoch removes the
+    history files its state does not list (files of other names are kept)."""
+    folder = tmp_path / 'again'
+    folder.mkdir()
+    for e in (1, 3, 9):  # an earlier run's
+        (folder / CHECKPOINT_NAME.format(e)).write_bytes(b'an earlier run')
+    other = folder / 'checkpoint-01.safetensors'
+    other.write_bytes(b'not a name this run writes')
+    train(TrainConfig(output=str(tmp_path), experiment='again', **dict(TINY, epochs=2)))
+    state = ckpt_io.load_state(str(folder / 'state.safetensors'))['meta']['checkpoints']
+    assert sorted(state) == [0, 1] and _files(folder) == sorted(
+        [CHECKPOINT_NAME.format(0), CHECKPOINT_NAME.format(1), 'checkpoint-01.safetensors'])
+    assert other.read_bytes() == b'not a name this run writes'
+    for e in (0, 1):  # this run's, written at its epochs
+        _, meta = load_weights(str(folder / CHECKPOINT_NAME.format(e)))
+        assert meta['epoch'] == e

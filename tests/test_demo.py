@@ -56,3 +56,15 @@ def test_plot_pairs_and_guided_samples_refuse_nothing_to_draw(tmp_path):
         with pytest.raises(ValueError, match=f'n must be an integer >= 1, got {n}'):
             render_guided_samples('unused.json', '', '', str(tmp_path / 'g.png'), n=n)
     assert not os.listdir(tmp_path)
+
+
+def test_a_number_of_samples_no_picture_holds_is_a_usage_error(tmp_path, capsys):
+    """--num 100000 built every image at once and was killed for memory (22 GB); it now exits 2 naming the bound
+    before anything is built or written."""
+    import pytest
+    from timm_patchmix.demo import MAX_SAMPLES
+    with pytest.raises(SystemExit) as e:
+        main(['--output', str(tmp_path / 'out'), '--num', str(MAX_SAMPLES + 1)])
+    assert e.value.code == 2 and f'argument --num: must be an integer in [1, {MAX_SAMPLES}]' in capsys.readouterr().err
+    assert not (tmp_path / 'out').exists()
+    assert main(['--output', str(tmp_path / 'out'), '--num', '3']) == 0

@@ -106,6 +106,9 @@ def resume_train(root, name, flags, epochs=2):
     ('mixup', None, ['--eval-metric', 'loss'], [('--eval-metric', "'top1'", "'loss'")]),
     ('mixup', None, ['--val-subset', '8'], [('--val-subset', '16', '8')]),
     ('mixup', None, ['--val-split', 'train'], [('--val-split', "'validation'", "'train'")]),
+    # the seed and the loader workers draw every epoch's augmentation and mixing
+    ('mixup', None, ['--seed', '7'], [('--seed', '42', '7')]),
+    ('pm', None, ['-j', '1'], [('--workers', '0', '1')]),
 ])
 def test_train_resume_refuses_changed_mixing(trained, run, drop, change, expect):
     root, runs = trained

@@ -19,7 +19,7 @@ from timm_patchmix.data import PATCHSHAPES_CLASSES
 from timm_patchmix.grid import bits_to_mask, mask_to_bits
 from timm_patchmix.table import MaskTable, MaskTableError, dataset_fingerprint
 from timm_patchmix.search import (Evolution, GeneScorer, Search, SearchConfig, SearchError, SearchResult,
-                                  build_parser, draw_image_pairs, parse_config, search)
+                                  SearchUsageError, build_parser, draw_image_pairs, parse_config, search)
 from timm_patchmix.search import main as search_main
 from timm_patchmix.search.genome import MaskOps, Operators, PairSpace, bits_to_grid, fitness_class, grid_to_bits
 from timm_patchmix.settings import SettingsChangedError
@@ -246,6 +246,13 @@ def test_search_returns_its_result(ckpt, tmp_path):
     assert result.best_fitness == result.table.best_fitness and result.forward_images > 0
     for f in ('logbook.csv', 'fitness.png', 'pairs.png', 'search_state.safetensors'):
         assert (tmp_path / f).is_file(), f
+    # a second search there without --resume replaced this one from generation 0: refused, nothing touched
+    from test_resume_settings import snapshot
+    before = snapshot(tmp_path)
+    with pytest.raises(SearchUsageError, match=f'{tmp_path} holds a search already .*; give --resume to continue '
+                                               f'it, or start afresh in another --output'):
+        search(cfg)
+    assert snapshot(tmp_path) == before
 
 
 def _draws():
@@ -345,6 +352,13 @@ def test_errors(ckpt, tmp_path):
             search_main(['--checkpoint', checkpoint, '--output', str(tmp_path / 'e')] + SMALL + extra)
     plain = make_checkpoint(str(tmp_path / 'plain.safetensors'), model='resnet32_cifar')
     err([], 'has no patch head', plain)
+    # a patch head that never trained (--no-patch-loss, as the pipeline's f_O): its scores would mean nothing
+    from timm_patchmix.checkpoint import load_weights
+    state, meta = load_weights(ckpt)
+    untrained = str(tmp_path / 'untrained.safetensors')
+    save_weights(untrained, state, dict(meta, patchmix={'enabled': True, 'grid': [4, 4], 'table': None,
+                                                        'image_loss': True, 'patch_loss': False}))
+    err([], r'untrained\.safetensors was trained with --no-patch-loss: its patch head never trained', untrained)
     err(['--grid', '2'], r'--grid 2x2 differs from the 4x4 grid')
     err(['--num-classes', '7'], '--num-classes 7 differs from the 10 classes')
     err(['--n-active', '46'], 'N=46 active pairs, but 10 classes have only 45 pairs')

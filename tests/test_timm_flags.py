@@ -575,6 +575,14 @@ def test_patch_loss_settings_of_a_plain_model_are_named(tmp_path, capsys):
             'head, which resnet8_cifar does not have (its loss is on its image logits alone): they change nothing '
             '(train a patchhead_ model to use them)')
     assert TrainConfig(model='resnet8_cifar', patch_head=False, **flags).unused_settings() == [line]
+    # without --patchmix, --no-patch-loss and the grid go unused too; with it they set image-level PatchMix
+    assert TrainConfig(model='resnet8_cifar', patch_head=False, no_patch_loss=True, grid=(2, 2)).unused_settings() \
+        == ['--no-patch-loss and --patchmix-grid 2 2 set the loss terms of a patch head, which resnet8_cifar does '
+            'not have (its loss is on its image logits alone): they change nothing (train a patchhead_ model to use '
+            'them)']
+    assert TrainConfig(model='resnet8_cifar', patch_head=False, grid=(4, 4)).unused_settings() == []  # the default
+    assert TrainConfig(model='resnet8_cifar', patch_head=False, patchmix=True, no_patch_loss=True,
+                       grid=(2, 2)).unused_settings() == []
     from timm_patchmix.train import main
     main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress', '--epochs', '1',
           '--output', str(tmp_path), '--model', 'resnet8_cifar', '--patchmix', '--no-patch-loss',
@@ -583,3 +591,18 @@ def test_patch_loss_settings_of_a_plain_model_are_named(tmp_path, capsys):
     line = ('note: --patch-loss-weight 0.5 sets the loss terms of a patch head, which resnet8_cifar does not have '
             '(its loss is on its image logits alone): it changes nothing (train a patchhead_ model to use it)')
     assert line in out, out
+
+
+def test_a_loss_weighed_to_nothing_is_refused_and_the_patch_loss_is_recorded(tmp_path):
+    """--no-image-loss with --patch-loss-weight 0 trained on a loss of 0 (only weight decay moved the weights):
+    refused like --no-patch-loss --no-image-loss. The weights files record whether the patch loss trained the
+    patch head (the search refuses a head that never trained)."""
+    with pytest.raises(ConfigError, match='the whole loss would be 0'):
+        TrainConfig(model='patchhead_resnet8_cifar', patchmix=True, no_image_loss=True, patch_loss_weight=0.0)
+    from timm_patchmix.train import main
+    for flags, patch_loss in (([], True), (['--no-patch-loss'], False)):
+        res = main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress',
+                    '--epochs', '1', '--output', str(tmp_path), '--model', 'patchhead_resnet8_cifar', '--patchmix']
+                   + flags)
+        _, meta = load_weights(os.path.join(res['output'], 'best.safetensors'))
+        assert meta['patchmix']['patch_loss'] is patch_loss and meta['patchmix']['image_loss'] is True

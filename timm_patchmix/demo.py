@@ -11,13 +11,17 @@ import os
 import torch
 
 from .checkpoint import atomic_write_text
-from .cli_types import directory, positive_int
+from .cli_types import directory, int_range, positive_int
 from .data import PatchShapes
 from .grid import grid_from_flag
 from .mix import PatchMix, split_target
 from .viz import render_grid, save_image
 
 __all__ = ['build_parser', 'main', 'render_grid']
+
+
+# a picture of mixed samples, one row each (the images, partners and masks are built in memory at once)
+MAX_SAMPLES = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                f'  {prog} --grid 2 --mode pair --num 4')
     parser.add_argument('--output', default='output/demo', type=directory,
                         help='folder for patchmix_samples.png and patchmix_samples.json')
-    parser.add_argument('--num', type=positive_int, default=8, help='number of mixed samples to show')
+    parser.add_argument('--num', type=int_range(1, MAX_SAMPLES), default=8,
+                        help=f'number of mixed samples to show, one row of the picture each (at most {MAX_SAMPLES})')
     parser.add_argument('--grid', type=positive_int, nargs='+', default=[4], metavar='N',
                         help='P (a P x P grid of cells) or rows cols')
     parser.add_argument('--mode', default='elem', choices=('elem', 'pair', 'batch'),

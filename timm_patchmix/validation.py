@@ -194,8 +194,9 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
         f.grid(pm['grid'], 'patchmix.grid')
     if pm.get('table') is not None:
         f.str(pm['table'], 'patchmix.table', nonempty=True)
-    if pm.get('image_loss') is not None:
-        f.bool(pm['image_loss'], 'patchmix.image_loss')
+    for key in ('image_loss', 'patch_loss'):
+        if pm.get(key) is not None:
+            f.bool(pm[key], f'patchmix.{key}')
     if meta.get('command') is not None:
         f.str(meta['command'], 'command')
     return meta

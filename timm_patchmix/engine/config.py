@@ -420,6 +420,9 @@ class TrainConfig:
         if self.no_patch_loss and self.no_image_loss:
             raise ConfigError('--no-patch-loss and --no-image-loss together switch off the whole loss; keep one of '
                               'the terms')
+        if self.no_image_loss and self.patch_loss_weight == 0:
+            raise ConfigError('--no-image-loss leaves the patch loss alone, and --patch-loss-weight 0 weighs it 0: '
+                              'the whole loss would be 0; give a positive weight or keep the image loss')
         if self.patchmix_table and self.guided_prob + self.random_prob > 1:
             raise ConfigError(f'--guided-prob {self.guided_prob:g} and --random-prob {self.random_prob:g} are '
                               f'fractions of one batch and add up to {self.guided_prob + self.random_prob:g}; their '
@@ -463,13 +466,16 @@ class TrainConfig:
                  'Random PatchMix\'s batches without --patchmix-table',
                  '; with the table, --guided-prob and --random-prob share out each batch, whose random part mixes '
                  'element-wise (--patchmix-alpha still draws its masks)', 'drop --patchmix-table'),
-                # (not --no-patch-loss, which asks for PatchMix on a plain model's image logits)
-                (self.patch_head is not False, ('no_image_loss', 'patch_loss_weight', 'per_position_head'),
+                # (--no-patch-loss and the grid with --patchmix: PatchMix on a plain model's image logits)
+                (self.patch_head is not False, ('no_image_loss', 'patch_loss_weight', 'per_position_head')
+                 + (() if self.patchmix else ('no_patch_loss', 'grid')),
                  'the loss terms of a patch head', f', which {self.model} does not have (its loss is on its image '
                  f'logits alone)', 'train a patchhead_ model'),
                 (self.mixup_active, ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'),
                  'timm\'s Mixup/CutMix of --mixup/--cutmix', off, 'add --mixup or --cutmix')):
-            given = [name for name in names if getattr(self, name) != _FIELDS[name].default]
+            # (a resolved config's grid is the default grid where none was given)
+            given = [name for name in names if getattr(self, name) not in
+                     ((None, DEFAULT_GRID) if name == 'grid' else (_FIELDS[name].default,))]
             if given and not on:
                 flags = [' '.join(filter(None, (_flag(n), _shown(getattr(self, n))))) for n in given]
                 one = len(flags) == 1

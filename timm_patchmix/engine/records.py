@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,8 +23,10 @@ __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 
 # size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
 # settings its saved state brings back (loading an optimizer's state restores its weight decay, momentum, betas and
 # eps, whatever the flags say), and what chooses the best epoch: the metric and the images it is measured on (the
-# saved best is a score of that metric on those images). The schedule, --epochs, --lr..., --checkpoint-hist may
-# change on a resume; --model and the class count come from the state's args.
+# saved best is a score of that metric on those images), and --seed and -j (the epochs' random draws come from the
+# seed, per loader worker: another value gives a run that args.yaml, recording one, cannot redo). The schedule,
+# --epochs, --lr..., --checkpoint-hist may change on a resume; --model and the class count come from the state's
+# args.
 RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'opt_kwargs', 'layer_decay',
                    'dataset', 'train_split', 'in_chans', 'img_size', 'input_size', 'mean', 'std', 'crop_pct',
                    'interpolation', 'model_kwargs', 'train_subset',
@@ -34,7 +37,7 @@ RESUME_SETTINGS = ('opt', 'weight_decay', 'momentum', 'opt_eps', 'opt_betas', 'o
                    'patch_loss_weight', 'per_position_head', 'reset_head', 'linear_probe', 'model_ema', 'no_aug',
                    'scale', 'ratio', 'hflip', 'vflip', 'color_jitter', 'aa', 'reprob', 'remode', 'recount',
                    'train_interpolation', 'gp', 'bn_momentum', 'bn_eps', 'bce_loss', 'bce_sum', 'bce_target_thresh',
-                   'bce_pos_weight', 'aug_repeats', 'eval_metric', 'val_split', 'val_subset')
+                   'bce_pos_weight', 'aug_repeats', 'eval_metric', 'val_split', 'val_subset', 'seed', 'workers')
 
 
 # the dropout rates of --model-kwargs (those --drop, --drop-path and --drop-block set, and the attention models'):
@@ -103,7 +106,7 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
                  'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std),
                  'interpolation': dc.interpolation, 'crop_pct': dc.crop_pct},
         'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None,
-                     'image_loss': not cfg.no_image_loss}
+                     'image_loss': not cfg.no_image_loss, 'patch_loss': not cfg.no_patch_loss}
         if cfg.patch_head or cfg.patchmix else None,
         'command': cfg.command or None,
         **({'model_ema': {'decay': cfg.model_ema_decay, 'warmup': cfg.model_ema_warmup}} if cfg.model_ema else {}),
@@ -134,6 +137,7 @@ EMA_PREFIX = 'ema.'
 ROW_KEYS = ('epoch', 'train_loss', 'eval_loss', 'eval_top1', 'eval_top5', 'lr', 'img_s')
 # the weights of an epoch that --checkpoint-hist keeps, beside best and last
 CHECKPOINT_NAME = 'checkpoint-{}.safetensors'
+_HISTORY_FILE = re.compile(r'checkpoint-(0|[1-9][0-9]*)\.safetensors\Z', re.ASCII)  # CHECKPOINT_NAME's files
 
 
 def checkpoint_history(rows: List[Dict[str, Any]], kept: List[int], epoch: int, n: int, metric: str,
@@ -265,9 +269,10 @@ def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, 
     ``history``: ``--checkpoint-hist``'s epochs to keep and to remove (:func:`checkpoint_history`). The epoch's
     ``checkpoint-<epoch>.safetensors`` (last's content) is written when kept, else a file of that name (left by a
     run stopped while saving this epoch) is removed; the displaced epochs' files go before the state that no
-    longer lists them is written, so a run stopped at any point resumes to the same files. Without it, the
-    state lists ``state_meta['checkpoints']`` as given (a resume without ``--checkpoint-hist`` carries the kept
-    epochs on, touching none of their files)."""
+    longer lists them is written, so a run stopped at any point resumes to the same files, as do those of epochs
+    the state never listed (an earlier run's in the folder, or a stopped run's of an epoch redone): with the flag,
+    the folder's history files are the state's. Without it, the state lists ``state_meta['checkpoints']`` as given
+    (a resume without ``--checkpoint-hist`` carries the kept epochs on, touching none of their files)."""
     from ..checkpoint import atomic_write_text, save_state, save_weights
     sd = model.state_dict()
     weights = ema.state_dict() if ema is not None else sd
@@ -278,7 +283,8 @@ def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, 
             save_weights(own, weights, meta)
         elif os.path.isfile(own):
             os.remove(own)
-        for e in drop:
+        stale = set(drop) | {int(m.group(1)) for m in map(_HISTORY_FILE.match, os.listdir(out_dir)) if m}
+        for e in sorted(stale - set(keep)):
             path = os.path.join(out_dir, CHECKPOINT_NAME.format(e))
             if os.path.isfile(path):
                 os.remove(path)
@@ -317,10 +323,10 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
     the state names. Those of the state's own epoch are written from the state's weights (``meta``: the run's
     weights metadata); a best epoch before it is kept where the file's record (its epoch and summary row) is that
     epoch's, else copied from the state's folder when its file is (a resume under another ``--experiment``), as are
-    the kept ``--checkpoint-hist`` files. So a run stopped between its state and its weights files, or another
-    run's files in the folder, never pass for this run's. Returns what cannot be restored (the best epoch's
-    weights, in neither folder), decided before anything is written: with ``stop_if_lost`` nothing is then
-    written at all."""
+    the kept ``--checkpoint-hist`` files and the state file itself. So a run stopped between its state and its
+    weights files, or another run's files in the folder, never pass for this run's. Returns what cannot be
+    restored (the best epoch's weights, in neither folder), decided before anything is written: with
+    ``stop_if_lost`` nothing is then written at all."""
     from ..checkpoint import atomic_write_bytes, save_weights
     source = os.path.dirname(os.path.abspath(resume))
     same = os.path.abspath(out_dir) == source
@@ -357,6 +363,9 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
                         f'{"" if same else " (as in " + source + ")"}')
     if lost and stop_if_lost:
         return lost
+    if not same:  # the state itself, so that the new folder resumes (a finished run's saves no epoch there)
+        with open(resume, 'rb') as f:
+            atomic_write_bytes(os.path.join(out_dir, 'state.safetensors'), f.read())
     for name, how in plan:
         if how == 'write':
             save_weights(os.path.join(out_dir, name), weights, own)
