@@ -311,6 +311,9 @@ def test_a_file_in_the_way_of_the_run_folder_and_a_folder_to_resume_are_named(tm
     assert afile.read_text() == 'kept' and built == [] and sorted(os.listdir(tmp_path)) == ['afile']
     monkeypatch.undo()
     run = train(TrainConfig(output=str(tmp_path), experiment='run', **TINY)).output
-    with pytest.raises(TrainSetupError, match=f'checkpoint {run} is a folder, not a file \\(it holds '
-                                              f'state.safetensors, best.safetensors, last.safetensors: name one'):
+    with pytest.raises(TrainSetupError, match=f'checkpoint {run} is a folder, not a file; resume from '
+                                              f'{run}/state.safetensors, the training state in it'):
         train(TrainConfig(output=str(tmp_path), experiment='again', resume=run, **TINY))
+    os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
+    with pytest.raises(TrainSetupError, match=f'{tmp_path}/dangling is a link to nothing; give another'):
+        train(TrainConfig(output=str(tmp_path), experiment='dangling', **TINY))

@@ -253,6 +253,7 @@ def test_search_returns_its_result(ckpt, tmp_path):
                                                f'it, or start afresh in another --output'):
         search(cfg)
     assert snapshot(tmp_path) == before
+    Search.from_checkpoint(cfg)  # what only reads (the generalisation tool) still builds the search there
 
 
 def _draws():
@@ -358,7 +359,8 @@ def test_errors(ckpt, tmp_path):
     untrained = str(tmp_path / 'untrained.safetensors')
     save_weights(untrained, state, dict(meta, patchmix={'enabled': True, 'grid': [4, 4], 'table': None,
                                                         'image_loss': True, 'patch_loss': False}))
-    err([], r'untrained\.safetensors was trained with --no-patch-loss: its patch head never trained', untrained)
+    err([], r'untrained\.safetensors was trained without the patch loss \(--no-patch-loss, or --patch-loss-weight '
+            r'0\): its patch head never trained', untrained)
     err(['--grid', '2'], r'--grid 2x2 differs from the 4x4 grid')
     err(['--num-classes', '7'], '--num-classes 7 differs from the 10 classes')
     err(['--n-active', '46'], 'N=46 active pairs, but 10 classes have only 45 pairs')

@@ -597,10 +597,10 @@ def test_a_loss_weighed_to_nothing_is_refused_and_the_patch_loss_is_recorded(tmp
     """--no-image-loss with --patch-loss-weight 0 trained on a loss of 0 (only weight decay moved the weights):
     refused like --no-patch-loss --no-image-loss. The weights files record whether the patch loss trained the
     patch head (the search refuses a head that never trained)."""
-    with pytest.raises(ConfigError, match='the whole loss would be 0'):
+    with pytest.raises(ConfigError, match='it would train on a loss of 0'):
         TrainConfig(model='patchhead_resnet8_cifar', patchmix=True, no_image_loss=True, patch_loss_weight=0.0)
     from timm_patchmix.train import main
-    for flags, patch_loss in (([], True), (['--no-patch-loss'], False)):
+    for flags, patch_loss in (([], True), (['--no-patch-loss'], False), (['--patch-loss-weight', '0'], False)):
         res = main(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress',
                     '--epochs', '1', '--output', str(tmp_path), '--model', 'patchhead_resnet8_cifar', '--patchmix']
                    + flags)

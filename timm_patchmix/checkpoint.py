@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from .validation import Fields, check_python_rng, check_weights_meta
 
-__all__ = ['atomic_write_bytes', 'atomic_write_text', 'save_weights', 'load_weights', 'save_state', 'load_state',
-           'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle', 'clean_stale_temps',
-           'temp_dir', 'release_temp', 'tensors_digest', 'check_file_digest']
+__all__ = ['atomic_write_bytes', 'atomic_write_text', 'atomic_copy', 'save_weights', 'load_weights', 'save_state',
+           'load_state', 'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle',
+           'clean_stale_temps', 'temp_dir', 'release_temp', 'tensors_digest', 'check_file_digest']
 
 _META_KEY = 'timm_patchmix'
 # the SHA-256 of a file's tensors (names, dtypes, shapes and bytes), beside its metadata: safetensors checks the
@@ -158,6 +158,11 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode('utf-8'))
+
+
+def atomic_copy(src: str, path: str) -> None:
+    """Copy the file ``src`` to ``path`` atomically, streamed (not read into memory whole)."""
+    _atomic(path, lambda tmp: shutil.copyfile(src, tmp))
 
 
 def _contiguous(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -558,6 +563,10 @@ def save_state(path: str, model_state: Dict[str, torch.Tensor], optimizer: Optio
 def load_state(path: str) -> Dict[str, Any]:
     """Read a file written by :func:`save_state`: dict with ``model`` (state dict), ``optimizer`` (state dict or
     None), ``rng`` (tensors, meta) for :func:`set_rng_state`, ``extra`` tensors and ``meta``."""
+    if os.path.isdir(path):  # (read_meta would name the weights files too, which are no state to resume from)
+        inside = os.path.join(path, 'state.safetensors')
+        raise CheckpointError(f'checkpoint {path} is a folder, not a file'
+                              + (f'; resume from {inside}, the training state in it' if os.path.isfile(inside) else ''))
     tensors, meta = _read(path)
     if meta.get('kind') != 'train_state':
         beside = os.path.join(os.path.dirname(path), 'state.safetensors')

@@ -93,7 +93,8 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:  # a file where the folder or one above it would be, no permission...
-        why = 'it is a file, not a folder' if os.path.lexists(path) else e.strerror or str(e)
+        why = ('it is a link to nothing' if os.path.islink(path) and not os.path.exists(path) else
+               'it is a file, not a folder' if os.path.lexists(path) else e.strerror or str(e))
         raise error(f'cannot make the {what} folder {path}: {why}') from None
     try:
         import fcntl

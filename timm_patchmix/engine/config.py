@@ -421,8 +421,9 @@ class TrainConfig:
             raise ConfigError('--no-patch-loss and --no-image-loss together switch off the whole loss; keep one of '
                               'the terms')
         if self.no_image_loss and self.patch_loss_weight == 0:
-            raise ConfigError('--no-image-loss leaves the patch loss alone, and --patch-loss-weight 0 weighs it 0: '
-                              'the whole loss would be 0; give a positive weight or keep the image loss')
+            raise ConfigError('--no-image-loss leaves a patch-head model the patch loss alone, and --patch-loss-weight '
+                              '0 weighs it 0: it would train on a loss of 0 (on a plain model both flags change '
+                              'nothing); give a positive weight or keep the image loss')
         if self.patchmix_table and self.guided_prob + self.random_prob > 1:
             raise ConfigError(f'--guided-prob {self.guided_prob:g} and --random-prob {self.random_prob:g} are '
                               f'fractions of one batch and add up to {self.guided_prob + self.random_prob:g}; their '

@@ -106,7 +106,9 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
                  'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std),
                  'interpolation': dc.interpolation, 'crop_pct': dc.crop_pct},
         'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None,
-                     'image_loss': not cfg.no_image_loss, 'patch_loss': not cfg.no_patch_loss}
+                     'image_loss': not cfg.no_image_loss,
+                     # whether the patch head trained (--no-patch-loss, or a weight of 0, leaves it untrained)
+                     'patch_loss': not cfg.no_patch_loss and cfg.patch_loss_weight > 0}
         if cfg.patch_head or cfg.patchmix else None,
         'command': cfg.command or None,
         **({'model_ema': {'decay': cfg.model_ema_decay, 'warmup': cfg.model_ema_warmup}} if cfg.model_ema else {}),
@@ -327,7 +329,7 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
     weights files, or another run's files in the folder, never pass for this run's. Returns what cannot be
     restored (the best epoch's weights, in neither folder), decided before anything is written: with
     ``stop_if_lost`` nothing is then written at all."""
-    from ..checkpoint import atomic_write_bytes, save_weights
+    from ..checkpoint import atomic_copy, save_weights
     source = os.path.dirname(os.path.abspath(resume))
     same = os.path.abspath(out_dir) == source
     epoch = start.start_epoch - 1
@@ -364,12 +366,10 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
     if lost and stop_if_lost:
         return lost
     if not same:  # the state itself, so that the new folder resumes (a finished run's saves no epoch there)
-        with open(resume, 'rb') as f:
-            atomic_write_bytes(os.path.join(out_dir, 'state.safetensors'), f.read())
+        atomic_copy(resume, os.path.join(out_dir, 'state.safetensors'))
     for name, how in plan:
         if how == 'write':
             save_weights(os.path.join(out_dir, name), weights, own)
         else:
-            with open(os.path.join(source, name), 'rb') as f:
-                atomic_write_bytes(os.path.join(out_dir, name), f.read())
+            atomic_copy(os.path.join(source, name), os.path.join(out_dir, name))
     return lost

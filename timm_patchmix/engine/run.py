@@ -305,9 +305,10 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     path = os.path.abspath(os.path.join(base, cfg.experiment) if cfg.experiment else base)
     while not os.path.isdir(path):
         if os.path.lexists(path):
+            what = 'a link to nothing' if os.path.islink(path) else 'a file, not a folder'
             raise TrainSetupError(f'cannot make the run folder under --output {base}'
                                   + (f' --experiment {cfg.experiment}' if cfg.experiment else '')
-                                  + f': {path} is a file, not a folder; give another --output or --experiment')
+                                  + f': {path} is {what}; give another --output or --experiment')
         parent = os.path.dirname(path)
         if parent == path:
             return

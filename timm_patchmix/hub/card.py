@@ -143,8 +143,8 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
                   'returns, never trained. Predict with the patch head, the mean of the cell logits: '
                   '`model.forward_patches(x).mean(1)`, as the trainer evaluated it.', '']
     if (meta.get('patchmix') or {}).get('patch_loss') is False:
-        lines += ['**Trained without the patch loss** (`--no-patch-loss`): the patch head, which '
-                  '`model.forward_patches(x)` returns, never trained; predict with `model(x)`.', '']
+        lines += ['**Trained without the patch loss** (`--no-patch-loss` or `--patch-loss-weight 0`): the patch '
+                  'head, which `model.forward_patches(x)` returns, never trained; predict with `model(x)`.', '']
     lines += [
         '## Training', '',
         f'- grid: {"x".join(str(g) for g in (meta.get("patchmix") or {}).get("grid") or [4, 4])}',

@@ -24,7 +24,7 @@ from ..table import MaskTable, dataset_fingerprint
 from .config import Evolution, SearchConfig
 from .fitness import GeneScorer, aggregate, draw_image_pairs
 from .genome import Individual, MaskOps, Operators, PairSpace, fitness_class, same_phenotype
-from .inputs import SearchError, SearchUsageError, load_model, load_validation, resume_settings
+from .inputs import SearchError, load_model, load_validation, resume_settings
 from .state import check_search_meta, check_search_tensors, pack_individuals, unpack_individuals
 
 __all__ = ['Search', 'SearchError', 'GenerationCallback']
@@ -99,10 +99,6 @@ class Search:
         split it is scored on (its held-out training images when it was trained with ``--holdout``), and, with
         ``cfg.resume``, the state in ``cfg.output``. Raises ``SearchError``,
         ``CheckpointError`` or ``SettingsChangedError`` (a resume with other settings), naming what to change."""
-        state_path = os.path.join(cfg.output, cls.STATE_FILE)
-        if not cfg.resume and os.path.exists(state_path):  # another search's work, which a fresh one would replace
-            raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue '
-                                   f'it, or start afresh in another --output (or delete that folder first)')
         device = torch.device(cfg.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         model, meta = load_model(cfg)
         grid = tuple(model.grid)

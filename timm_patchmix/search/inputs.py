@@ -53,9 +53,9 @@ def load_model(cfg: SearchConfig) -> Tuple[torch.nn.Module, Dict[str, Any]]:
         raise SearchError(f'{cfg.checkpoint} holds {meta.get("model")!r}, which has no patch head; the search scores '
                           f'patches, so train f_T with --model patchhead_<arch> --patchmix')
     if (meta.get('patchmix') or {}).get('patch_loss') is False:
-        raise SearchError(f'{cfg.checkpoint} was trained with --no-patch-loss: its patch head never trained, and the '
-                          f'search scores the patch head\'s predictions; train f_T with the patch loss (without '
-                          f'--no-patch-loss)')
+        raise SearchError(f'{cfg.checkpoint} was trained without the patch loss (--no-patch-loss, or '
+                          f'--patch-loss-weight 0): its patch head never trained, and the search scores the patch '
+                          f'head\'s predictions; train f_T with the patch loss')
     rows, cols = tuple(model.grid)
     if rows * cols > MaskOps.MAX_CELLS:
         raise SearchError(f'the model in {cfg.checkpoint} has a {rows}x{cols} grid, {rows * cols} cells; the search '

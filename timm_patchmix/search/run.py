@@ -17,6 +17,7 @@ from ..checkpoint import atomic_write_text
 from ..locking import hold_folder
 from .config import SearchConfig, SearchResult
 from .core import GenerationCallback, Search, SearchError
+from .inputs import SearchUsageError
 
 __all__ = ['search', 'write_logbook']
 
@@ -43,6 +44,10 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
 def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> SearchResult:
     from tqdm import tqdm
     from ..checkpoint import kept_rng_state
+    state_path = os.path.join(cfg.output, Search.STATE_FILE)
+    if not cfg.resume and os.path.exists(state_path):  # another search's work, which this one would replace
+        raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue it, '
+                               f'or start afresh in another --output (or delete that folder first)')
     s = Search.from_checkpoint(cfg)
     rank = _rank()
     # one process writes a search folder at a time: a second search on it stops here, before it writes anything
