@@ -189,7 +189,7 @@ def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp
     assert 'train_interpolation' in new and 'bce_pos_weight' in new
     # settings compared since, of flags the older version had: its args hold them, its settings record does not
     compared_since = RESUME_SETTINGS[RESUME_SETTINGS.index('aug_repeats') + 1:]
-    assert compared_since == ('eval_metric', 'val_split', 'val_subset')
+    assert compared_since == ('eval_metric', 'val_split', 'val_subset', 'seed', 'workers')
 
     def older(meta, tensors):
         for key in new:
@@ -198,6 +198,7 @@ def test_train_resume_of_a_state_from_before_the_augmentation_flags(trained, tmp
             del meta['settings']['--' + key.replace('_', '-')]
     _rewrite_meta(path, older)
     refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--val-subset', '8']), ('--val-subset', '16', '8'))
+    refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--seed', '7']), ('--seed', '42', '7'))
     before = snapshot(old_root)
     refused(lambda: resume_train(old_root, 'mixup', runs['mixup'] + ['--reprob', '0.2']), ('--reprob', '0.0', '0.2'))
     assert snapshot(old_root) == before

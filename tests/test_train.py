@@ -66,7 +66,8 @@ def test_modes_train_and_write_outputs(tmp_path, flags, model, grid):
     if grid is None:  # a plain backbone records no PatchMix section
         assert meta['patchmix'] is None and meta['model_kwargs'] == {}
     else:
-        assert meta['patchmix'] == {'enabled': patchmix, 'grid': grid, 'table': None, 'image_loss': True}
+        assert meta['patchmix'] == {'enabled': patchmix, 'grid': grid, 'table': None, 'image_loss': True,
+                                    'patch_loss': True}
         assert meta['model_kwargs'] == {'grid': grid}
 
     state = load_state(os.path.join(out, 'state.safetensors'))
