@@ -192,3 +192,30 @@ def test_cli_writes_the_json(ckpt, searched, tmp_path):
     doc = json.load(open(out))
     assert doc['genes'] == json.loads(json.dumps(res['genes'])) and doc['mean'] == json.loads(json.dumps(res['mean']))
     assert not [f for f in os.listdir(tmp_path) if f != 'result.json'], 'written atomically, no temporary left'
+
+
+def test_the_output_never_replaces_an_input_and_a_bad_device_is_a_usage_error(ckpt, searched, tmp_path, capsys):
+    """--output naming the --table (or the --checkpoint) replaced it with the result; --device foo/meta was a
+    traceback. Both now exit 2 before anything is read or written. The generalisation runs from inside a search's
+    folder (it builds the search without --resume, which a search.py run there is refused)."""
+    from timm_patchmix.search.generalise import main
+    path = searched[2]
+    before = open(path, 'rb').read()
+    for name, target in (('table', path), ('checkpoint', ckpt)):
+        with pytest.raises(SystemExit) as e:
+            main(['--checkpoint', ckpt, '--table', path, '--output', target, '--fresh-k', '2', '--random-masks', '2'])
+        assert e.value.code == 2 and f'argument --output: {target} is the --{name} this reads' in \
+            capsys.readouterr().err
+    assert open(path, 'rb').read() == before
+    with pytest.raises(SystemExit) as e:
+        main(['--checkpoint', ckpt, '--table', path, '--device', 'foo'])
+    assert e.value.code == 2 and 'argument --device: not a torch device' in capsys.readouterr().err
+    folder = tmp_path / 'in_a_search'
+    folder.mkdir()
+    (folder / 'search_state.safetensors').write_bytes(b'a search')
+    cwd = os.getcwd()
+    try:
+        os.chdir(folder)
+        assert table_generalisation(ckpt, path, **FAST)['mean'] == searched[3]['mean']
+    finally:
+        os.chdir(cwd)

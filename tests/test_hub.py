@@ -720,3 +720,41 @@ def test_a_bit_flipped_in_a_hub_folders_weights_is_named_through_timms_loaders(t
     assert r.returncode == 0 and 'refused: ' in r.stdout and 'model.safetensors is corrupt' in r.stdout, \
         r.stdout + r.stderr[-2000:]
     assert 'hf cache delete' in r.stdout
+
+
+def test_export_and_push_say_what_ran_and_never_overwrite_their_input(trained, tmp_path, monkeypatch, capsys):
+    """A Random PatchMix checkpoint exported with a table is still Random PatchMix (the card and config.json said
+    Guided, and that it trained on the table); an image-folder run is named as such (it was called patchshapes);
+    `hub backbone --output <its own source>` is refused (it replaced the checkpoint); a failed upload is one
+    line naming the ready folder (a traceback)."""
+    from timm_patchmix.checkpoint import load_weights, save_weights
+    state, meta = load_weights(trained[0])
+    rpm = str(tmp_path / 'rpm.safetensors')
+    save_weights(rpm, state, dict(meta, patchmix=dict(meta['patchmix'], table=None),
+                                  data=dict(meta['data'], dataset='', data_dir='/data/shapes')))
+    folder = hub.export_folder(rpm, str(tmp_path / 'rpm_hub'), table=trained[1])
+    card = open(os.path.join(folder, 'README.md')).read()
+    cfg = json.load(open(os.path.join(folder, 'config.json')))
+    assert 'trained with Random PatchMix on the image folder /data/shapes' in card
+    assert 'trained with Guided PatchMix' not in card
+    assert 'which it did not train on' in card and 'this model trained on' not in card
+    assert cfg['timm_patchmix']['method'] == 'random' and cfg['timm_patchmix']['mask_table'] == 'masks.json'
+    assert cfg['timm_patchmix']['dataset'] == 'the image folder /data/shapes'
+    guided = hub.export_folder(trained[0], str(tmp_path / 'gpm_hub'))  # its own table: trained on it
+    assert 'this model trained on' in open(os.path.join(guided, 'README.md')).read()
+    # the backbone onto its own source
+    before = open(rpm, 'rb').read()
+    assert hub.main(['backbone', rpm, '--output', rpm]) == 2
+    assert 'is the checkpoint the backbone is read from' in capsys.readouterr().err
+    assert open(rpm, 'rb').read() == before
+    # an upload that fails
+    import huggingface_hub
+
+    def offline(self, repo_id, **kw):
+        raise huggingface_hub.errors.OfflineModeIsEnabled('offline')
+    monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', offline)
+    assert hub.main(['push', '--checkpoint', trained[0], '--repo-id', 'someone/x', '--token', 'hf_x',
+                     '--folder', str(tmp_path / 'up')]) == 2
+    err = capsys.readouterr().err
+    assert 'error: the upload to someone/x failed (OfflineModeIsEnabled: offline); the folder is ready in ' in err
+    assert os.path.isfile(tmp_path / 'up' / 'model.safetensors')

@@ -153,6 +153,11 @@ def test_report_says_when_the_spread_exceeds_the_gaps(tmp_path):
     rep = json.load(open(tmp_path / 'report.json'))
     assert not rep['ranking']['can_rank'] and rep['ranking']['close_pairs'][0]['methods'] == ['random_pm', 'base']
     assert 'too small to rank' in close and 'random_pm and base (gap 1.00, std 5.00)' in close
+    assert close.startswith('# PatchMix pipeline: patchshapes (embedded), resnet32_cifar')
+    # an image folder given with --data-dir (no --dataset) is named, not called the embedded set
+    folder = report(argparse.Namespace(**dict(vars(args), data_dir='/data/shapes')),
+                    _fake_runs({'base': [70.0, 71.0, 72.0], 'random_pm': [80.0, 81.0, 82.0]}))
+    assert folder.startswith('# PatchMix pipeline: the image folder /data/shapes, resnet32_cifar')
 
 
 @pytest.mark.parametrize('budget', sorted(__import__('timm_patchmix.pipeline', fromlist=['BUDGETS']).BUDGETS))

@@ -606,3 +606,15 @@ def test_a_loss_weighed_to_nothing_is_refused_and_the_patch_loss_is_recorded(tmp
                    + flags)
         _, meta = load_weights(os.path.join(res['output'], 'best.safetensors'))
         assert meta['patchmix']['patch_loss'] is patch_loss and meta['patchmix']['image_loss'] is True
+
+
+def test_the_recorded_command_reads_back_as_the_flags_it_ran_with():
+    """The command in args.yaml, the weights files and the Hub card was the words joined by spaces: `--dataset ''`
+    (every pipeline run on the embedded data) came back as `--dataset  --seed 0`, which train.py cannot parse.
+    It is now quoted as a shell reads it."""
+    import shlex
+    from timm_patchmix.train import parse_config
+    argv = ['--dataset', '', '--experiment', 'a b', '--seed', '0']
+    cfg = parse_config(argv)
+    assert shlex.split(cfg.command) == ['train.py'] + argv
+    assert parse_config(shlex.split(cfg.command)[1:]).experiment == 'a b'

@@ -605,3 +605,11 @@ def pixel_transform(in_chans: int, height: int, width: int, interpolation: str =
     model (FGSM perturbs these pixels; the search scores them)."""
     return image_transform((in_chans, height, width), False, False, (0.0,) * in_chans, (1.0,) * in_chans,
                            interpolation, crop_pct)
+
+
+def dataset_label(dataset: str, data_dir: str = '') -> str:
+    """The data a run used, in words: the dataset's name, ``the image folder <dir>`` for a folder read with no
+    ``--dataset``, or ``patchshapes`` (the embedded set) for neither."""
+    if dataset:
+        return dataset
+    return f'the image folder {data_dir}' if data_dir else 'patchshapes'

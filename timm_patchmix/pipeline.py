@@ -581,7 +581,10 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
     spread = 'mean ± std over seeds' if len(args.seeds) > 1 else 'one seed, so single runs with no spread'
     where = ('the test split, with the weights of the final epoch (and of the best epoch on the held-out images)'
              if splits['holdout'] else 'the validation split, final epoch (and best epoch)')
-    lines = [f'# PatchMix pipeline: {args.dataset or "patchshapes (embedded)"}, {args.model}, budget {args.budget}',
+    from .data import dataset_label
+    data_dir = getattr(args, 'data_dir', '') or ''
+    shown = dataset_label(args.dataset, data_dir) if args.dataset or data_dir else 'patchshapes (embedded)'
+    lines = [f'# PatchMix pipeline: {shown}, {args.model}, budget {args.budget}',
              '', budget_text(budget), ''] + splits_text(splits) + [
              '', f'Seeds: {seeds}. Top-1 (%) on {where}; {spread}.', '',
              '| method | final top-1 | best top-1 | runs |', '|---|---|---|---|']

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -318,7 +319,7 @@ def _config(ns: argparse.Namespace, argv: Optional[List[str]]) -> TrainConfig:
     flags['data_dir'] = flags['data_dir'] or positional or ''
     flags['grid'] = flags.pop('patchmix_grid')
     words = list(argv) if argv is not None else sys.argv[1:]
-    flags['command'] = ' '.join(['train.py'] + words)
+    flags['command'] = shlex.join(['train.py'] + words)  # as a shell reads it back (--dataset '' included)
     return TrainConfig(**flags).with_recipe()
 
 

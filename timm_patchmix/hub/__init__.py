@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights,
                           temp_dir)
-from ..data import DATA_CONFIG_KEYS
+from ..data import DATA_CONFIG_KEYS, dataset_label
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary
 from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
@@ -51,7 +51,8 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         raise CheckpointError(f'{checkpoint} holds {arch!r}, not a patchhead_ model; export a PatchMix-trained '
                               f'patchhead checkpoint')
     repo_id = repo_id or f'<user>/{os.path.basename(os.path.normpath(folder))}'
-    table = table or (meta.get('patchmix') or {}).get('table') or None
+    trained_with = (meta.get('patchmix') or {}).get('table') or None  # the table the model trained on, if any
+    table = table or trained_with
     data = meta.get('data') or {}
     table_doc = None
     if table:
@@ -68,18 +69,23 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
                                     fingerprint=dataset_fingerprint(data.get('dataset') or '', names))
         except MaskTableError as e:
             raise CheckpointError(f'the mask table does not belong to the model in {checkpoint} (dataset '
-                                  f'{data.get("dataset") or "patchshapes"}): {e}') from None
+                                  f'{dataset_label(data.get("dataset") or "", data.get("data_dir") or "")}): '
+                                  f'{e}') from None
         if loaded.class_names and loaded.class_names != list(names):
             raise CheckpointError(f'the mask table {table} names the classes {loaded.class_names}, the model in '
                                   f'{checkpoint} was trained on {list(names)}')
         with open(table, encoding='utf-8') as f:
             table_doc = json.load(f)
+    # a table given with --table is the one the model trained on only where it has the recorded table's content
+    trained_on_table = bool(trained_with) and table_doc is not None and (
+        table == trained_with or (os.path.isfile(trained_with) and _same_bytes(table, trained_with)))
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = {k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)}
     metrics, results = _summary(checkpoint), _results(checkpoint)
-    model_config = {'timm_patchmix': {'method': 'guided' if table_doc else 'random',
-                                      'grid': list(model.grid), 'dataset': data.get('dataset') or 'patchshapes',
+    model_config = {'timm_patchmix': {'method': 'guided' if trained_with else 'random',
+                                      'grid': list(model.grid),
+                                      'dataset': dataset_label(data.get('dataset') or '', data.get('data_dir') or ''),
                                       'metrics': metrics, 'test_metrics': results, 'command': meta.get('command'),
                                       'mask_table': 'masks.json' if table_doc else None,
                                       'note': 'import timm_patchmix before timm.create_model: it registers '
@@ -109,7 +115,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         if table_doc is not None:
             shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
         atomic_write_text(os.path.join(tmp, 'README.md'),
-                          _model_card(repo_id, arch, meta, metrics, table_doc, results))
+                          _model_card(repo_id, arch, meta, metrics, table_doc, results, trained_on_table))
         os.chmod(tmp, 0o755)
         if os.path.lexists(folder):
             old = temp_dir(folder)
@@ -143,6 +149,11 @@ def _within(path: str, folder: str) -> bool:
     """Whether ``path`` is ``folder`` or lies under it (symbolic links resolved)."""
     p, f = os.path.realpath(path), os.path.realpath(folder)
     return p == f or p.startswith(f.rstrip(os.sep) + os.sep)
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    with open(a, 'rb') as fa, open(b, 'rb') as fb:
+        return fa.read() == fb.read()
 
 
 def _check_destination(checkpoint: str, folder: str, table: Optional[str]) -> None:
@@ -186,5 +197,10 @@ def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[
         raise RuntimeError(f'no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again (the '
                            f'folder is ready in {folder}; --dry-run only writes it)')
     api = HfApi(token=token, library_name='timm_patchmix')
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision, commit_message=commit_message)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
+                                 commit_message=commit_message)
+    except Exception as e:  # the Hub's, or the network's, errors: many kinds, one message
+        raise RuntimeError(f'the upload to {repo_id} failed ({type(e).__name__}: {e}); the folder is ready in '
+                           f'{folder}: push again later') from e

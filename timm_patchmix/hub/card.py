@@ -116,11 +116,18 @@ def _score(value: Any, digits: Optional[int] = None) -> str:
 
 
 def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[Dict[str, Any]],
-               table: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]] = None) -> str:
+               table: Optional[Dict[str, Any]], results: Optional[Dict[str, Any]] = None,
+               trained_on_table: Optional[bool] = None) -> str:
+    """The card of a Hub folder. ``table``: the ``masks.json`` shipped with the model; ``trained_on_table``:
+    whether it is the table the model trained on (default: whether the checkpoint records one)."""
+    from ..data import dataset_label
     data = meta.get('data') or {}
-    dataset = data.get('dataset') or 'patchshapes'
-    patchmix = bool((meta.get('patchmix') or {}).get('enabled'))
-    method = 'Guided PatchMix' if table is not None else ('Random PatchMix' if patchmix else 'no PatchMix')
+    dataset = dataset_label(data.get('dataset') or '', data.get('data_dir') or '')
+    pm = meta.get('patchmix') or {}
+    guided = bool(pm.get('table'))  # the method is the checkpoint's, whatever table is shipped with it
+    if trained_on_table is None:
+        trained_on_table = guided
+    method = 'Guided PatchMix' if guided else ('Random PatchMix' if pm.get('enabled') else 'no PatchMix')
     lines = [
         '---', 'library_name: timm', 'license: apache-2.0', 'pipeline_tag: image-classification',
         'tags:', '- image-classification', '- timm', '- timm_patchmix', '- patchmix', '---', '',
@@ -156,8 +163,11 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
     if table:
         names = table.get('class_names') or [str(i) for i in range(int(table.get('num_classes', 0)))]
         best = table.get('best_fitness')
-        lines += ['', '## Mask table', '', f'`masks.json` (search fitness {_score(best)}): the class '
-                  'pairs and cell masks this model trained on; 1 = the cell comes from the first class.', '',
+        what = ('the class pairs and cell masks this model trained on' if trained_on_table and table is not None else
+                'the class pairs and cell masks of a search shipped with this model, which it did not train on'
+                + (' (the table it trained on differs)' if guided else ''))
+        lines += ['', '## Mask table', '', f'`masks.json` (search fitness {_score(best)}): {what}; 1 = the cell comes '
+                  'from the first class.', '',
                   '| pair | mask (rows) | score |', '|---|---|---|']
         for p in table.get('pairs', []):
             mask = ' / '.join(''.join(str(int(b)) for b in row) for row in p['mask'])

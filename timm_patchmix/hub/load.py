@@ -150,6 +150,12 @@ def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Mod
 def export_backbone(source, path: str) -> str:
     """Write the plain backbone's state dict as safetensors (atomically), for timm's documented file overlay:
     ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path, num_classes=C))``."""
+    if isinstance(source, (str, os.PathLike)) and os.path.exists(path):
+        src = os.fspath(source)
+        read = os.path.join(src[len('local-dir:'):], 'model.safetensors') if src.startswith('local-dir:') else src
+        if os.path.exists(read) and os.path.samefile(read, path):  # the backbone would replace the weights it came from
+            raise CheckpointError(f'{path} is the checkpoint the backbone is read from ({source}); write it to '
+                                  f'another file')
     arch, state, cfg = backbone_state_dict(source)
     save_weights(path, state, {'model': arch, 'num_classes': cfg['num_classes'], 'data': cfg,
                                'exported_from': str(source) if not isinstance(source, nn.Module) else None})

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -362,7 +363,7 @@ def _describe(on: Dict[str, Any]) -> str:
 # --- command line ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from ..cli import HelpFormatter
-    from ..cli_types import existing_file, new_file, nonneg_int, positive_int
+    from ..cli_types import device_name, existing_file, new_file, nonneg_int, positive_int
     p = argparse.ArgumentParser(
         prog='python -m timm_patchmix.search.generalise', formatter_class=HelpFormatter,
         description='How well a searched table\'s hardness generalises: every gene scored on the search\'s own '
@@ -374,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--fresh-k', type=positive_int, default=32, help='fresh image pairs per class pair')
     p.add_argument('--random-masks', type=positive_int, default=16, help='random masks of each kind per class pair')
     p.add_argument('--seed', type=nonneg_int, default=0, help='seed of the fresh pairs and the random masks')
-    p.add_argument('--device', default='cpu', help='device of f_T (the CPU reproduces the search\'s scores exactly)')
+    p.add_argument('--device', default='cpu', type=device_name,
+                   help='device of f_T (the CPU reproduces the search\'s scores exactly)')
     p.add_argument('--eval-batch-size', type=positive_int, default=None,
                    help='images per forward pass (default: the search\'s)')
     p.add_argument('--output', type=new_file, default=None, help='write the result as JSON here')
@@ -387,7 +389,11 @@ def _fmt(v: Optional[float]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Measure, print a summary, write ``--output``; a table that does not fit exits 1 with an ``error:`` line."""
-    args = build_parser().parse_args(None if argv is None else list(argv))
+    parser = build_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    for name in ('checkpoint', 'table'):  # the result would replace an input
+        if args.output and os.path.exists(args.output) and os.path.samefile(args.output, getattr(args, name)):
+            parser.error(f'argument --output: {args.output} is the --{name} this reads; write the result elsewhere')
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
         res = table_generalisation(args.checkpoint, args.table, fresh_k=args.fresh_k, random_masks=args.random_masks,
