@@ -742,6 +742,19 @@ def test_export_and_push_say_what_ran_and_never_overwrite_their_input(trained, t
     assert cfg['timm_patchmix']['dataset'] == 'the image folder /data/shapes'
     guided = hub.export_folder(trained[0], str(tmp_path / 'gpm_hub'))  # its own table: trained on it
     assert 'this model trained on' in open(os.path.join(guided, 'README.md')).read()
+    # a copy of that table elsewhere (its recorded path moved) is known by its content; an edited one is not it
+    doc = json.load(open(trained[1]))
+    copy, edited = str(tmp_path / 'copy.json'), str(tmp_path / 'edited.json')
+    shutil.copyfile(trained[1], copy)
+    doc['pairs'][0]['score'] = 0.75
+    json.dump(doc, open(edited, 'w'))
+    assert load_weights(trained[0])[1]['patchmix']['table_sha256']
+    moved = hub.export_folder(trained[0], str(tmp_path / 'moved_hub'), table=copy)
+    assert 'this model trained on' in open(os.path.join(moved, 'README.md')).read()
+    other = open(os.path.join(hub.export_folder(trained[0], str(tmp_path / 'edit_hub'), table=edited),
+                              'README.md')).read()
+    assert 'trained with Guided PatchMix' in other and 'which it did not train on (the table it trained on ' \
+        'differs)' in other
     # the backbone onto its own source
     before = open(rpm, 'rb').read()
     assert hub.main(['backbone', rpm, '--output', rpm]) == 2

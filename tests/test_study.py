@@ -289,8 +289,14 @@ def test_a_task_missing_an_earlier_tasks_file_fails_and_the_study_reports(tmp_pa
     assert os.path.isfile(os.path.join(out, 'report.md'))
 
 
-@pytest.mark.parametrize('content, why', [('{"final_top1": 1', 'not valid JSON'), ('[]', 'a JSON list, not an object'),
-                                          ('{"wall_s": 1}', 'no final_top1, best_top1, rows')])
+@pytest.mark.parametrize('content, why', [
+    ('{"final_top1": 1', 'not valid JSON'), ('[]', 'a JSON list, not an object'),
+    ('{"wall_s": 1}', 'no final_top1, best_top1, rows'),
+    # the keys there, of another type: the report computed with them and failed with a traceback
+    ('{"wall_s": 1, "final_top1": "8.3", "best_top1": 1, "rows": []}', "final_top1 must be a number, got '8.3'"),
+    ('{"wall_s": 1, "final_top1": 1, "best_top1": null, "rows": []}', 'best_top1 must be a number, got None'),
+    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": 5}', 'rows must be a list of rows (objects), got 5'),
+    ('{"wall_s": "x", "final_top1": 1, "best_top1": 1, "rows": []}', "wall_s must be a number, got 'x'")])
 @pytest.mark.parametrize('flags', [['--list'], ['--report'], ['--tasks', 'base/s0']])
 def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, content, why, flags):
     """A finished task's done.json that is truncated, not an object or lacks what the report reads: exit status 1
@@ -323,3 +329,30 @@ def test_output_is_a_folder_and_report_reads_an_existing_study(tmp_path, capsys)
         err = capsys.readouterr().err
         assert e.value.code == 2 and f'--report: {out} holds no study ({study.STUDY_FILE} is missing)' in err
         assert out.exists() == (out.name == 'empty') and not (out / study.STUDY_FILE).exists()
+
+
+def test_the_export_of_a_guided_model_names_its_table_through_the_studys_layout(tmp_path, monkeypatch):
+    """A moved study could not export its guided models: the export took the table from the path the weights
+    recorded, which named the old place. It now passes the table of the task the model trained on, found under
+    --output like every other file a task reads."""
+    import timm_patchmix.hub
+    import timm_patchmix.hub.load
+    out = str(tmp_path / 'moved')
+    tasks = study.build_tasks(study.QUICK)
+    for name, f in (('guided_pm/s0', 'best.safetensors'), ('search/s0', 'masks.json'),
+                    ('random_pm/s0', 'best.safetensors')):
+        os.makedirs(os.path.join(out, name), exist_ok=True)
+        open(os.path.join(out, name, f), 'w').write('{}')
+    seen = {}
+    monkeypatch.setattr(timm_patchmix.hub.load, 'model_from_weights', lambda ck: (None, {'model': 'patchhead_x'}))
+
+    def export(ck, dest, **kw):
+        seen[ck] = kw
+        raise _Stop
+    monkeypatch.setattr(timm_patchmix.hub, 'export_folder', export)
+    for name in ('export/guided_pm_s0', 'export/random_pm_s0'):
+        with pytest.raises(_Stop):
+            study.run_task(out, tasks[name])
+    assert seen[os.path.join(out, 'guided_pm', 's0', 'best.safetensors')]['table'] == os.path.join(
+        out, 'search', 's0', 'masks.json')
+    assert seen[os.path.join(out, 'random_pm', 's0', 'best.safetensors')]['table'] is None

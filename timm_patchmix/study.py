@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import os
 import shutil
 import statistics
@@ -166,7 +167,9 @@ def build_tasks(cfg: Dict[str, Any]) -> Dict[str, Task]:
                            'fresh_k': ks['fresh_k'], 'random_masks': ks['random_masks']}))
     for s in cfg['main_seeds']:
         for source in ('base', 'random_pm', 'guided_pm'):
-            tasks.append(Task(f'export/{source}_s{s}', 'export', [f'{source}/s{s}'], {'from': f'{source}/s{s}'}))
+            trained = next(t for t in tasks if t.name == f'{source}/s{s}')
+            tasks.append(Task(f'export/{source}_s{s}', 'export', [f'{source}/s{s}'],
+                              {'from': f'{source}/s{s}', 'table_from': trained.spec.get('table_from')}))
             # a patchhead_ model trains on the image loss alone, as the plain model does: the same loss for every
             # source, so the sources alone differ
             image_only = ['--no-patch-loss'] if source != 'base' else []
@@ -222,8 +225,25 @@ def _done_record(out: str, name: str, kind: Optional[str] = None) -> Optional[Di
     if not os.path.isfile(path):
         return None
     need = ('wall_s',) + RECORD_KEYS.get(kind, ()) if kind is not None else ()
-    return read_record(path, f'record of a finished {kind} task' if kind else 'task record', _redo(out, name),
-                       TaskRecordError, need)
+    noun = f'record of a finished {kind} task' if kind else 'task record'
+    rec = read_record(path, noun, _redo(out, name), TaskRecordError, need)
+    for key in need:  # of the type the report reads
+        value, want = rec[key], _RECORD_TYPES.get(key)
+        if want is None:
+            continue
+        ok = (isinstance(value, want[0]) and not isinstance(value, bool)
+              and (key != 'rows' or all(isinstance(r, dict) for r in value))
+              and (not isinstance(value, float) or math.isfinite(value)))
+        if not ok:
+            raise TaskRecordError(f'{path} is not a {noun} ({key} must be {want[1]}, got {value!r}); '
+                                  f'{_redo(out, name)}')
+    return rec
+
+
+# the types of the RECORD_KEYS (and the wall time) that the report computes with
+_RECORD_TYPES = {'wall_s': ((int, float), 'a number'), 'final_top1': ((int, float), 'a number'),
+                 'best_top1': ((int, float), 'a number'), 'best_fitness': ((int, float), 'a number'),
+                 'rows': (list, 'a list of rows (objects)'), 'mean': (dict, 'an object'), 'genes': (int, 'an integer')}
 
 
 def _task_file(out: str, name: str, file: str) -> str:
@@ -324,7 +344,10 @@ def _run_export(out: str, task: Task, folder: str) -> Dict[str, Any]:
     dest = os.path.join(folder, 'hub')
     model, meta = model_from_weights(ck)
     if meta['model'].startswith('patchhead_'):
-        export_folder(ck, dest, overwrite=True)
+        # the table it trained on, through the study's own layout (the path its weights recorded is gone once the
+        # study has moved)
+        table = _task_file(out, task.spec['table_from'], 'masks.json') if task.spec.get('table_from') else None
+        export_folder(ck, dest, overwrite=True, table=table)
     else:
         # built in a temporary folder of the project's own naming, so a killed export leaves nothing that a
         # rerun takes for the result, and the rerun's clean_stale_temps removes it

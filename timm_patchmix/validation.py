@@ -197,6 +197,8 @@ def check_weights_meta(meta: Dict[str, Any], f: Fields) -> Dict[str, Any]:
     for key in ('image_loss', 'patch_loss'):
         if pm.get(key) is not None:
             f.bool(pm[key], f'patchmix.{key}')
+    if pm.get('table_sha256') is not None:
+        f.str(pm['table_sha256'], 'patchmix.table_sha256', nonempty=True)
     if meta.get('command') is not None:
         f.str(meta['command'], 'command')
     return meta

@@ -97,6 +97,7 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
     epoch). ``data.holdout`` is the holdout's record (:meth:`~timm_patchmix.holdout.Holdout.record`) when the epochs
     were evaluated on held-out training images; ``data.val_split`` is then the test split."""
     import timm
+    from ..settings import file_record
     dc = cfg.data_config
     return {
         'model': timm.models.get_arch_name(cfg.arch), 'num_classes': cfg.num_classes, 'model_kwargs': model_kwargs,
@@ -108,7 +109,9 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
         'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None,
                      'image_loss': not cfg.no_image_loss,
                      # whether the patch head trained (--no-patch-loss, or a weight of 0, leaves it untrained)
-                     'patch_loss': not cfg.no_patch_loss and cfg.patch_loss_weight > 0}
+                     'patch_loss': not cfg.no_patch_loss and cfg.patch_loss_weight > 0,
+                     # the table's content, which still names it where its path has moved
+                     **({'table_sha256': file_record(cfg.patchmix_table)['sha256']} if cfg.patchmix_table else {})}
         if cfg.patch_head or cfg.patchmix else None,
         'command': cfg.command or None,
         **({'model_ema': {'decay': cfg.model_ema_decay, 'warmup': cfg.model_ema_warmup}} if cfg.model_ema else {}),

@@ -23,6 +23,7 @@ from typing import Optional
 from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights,
                           temp_dir)
 from ..data import DATA_CONFIG_KEYS, dataset_label
+from ..settings import file_record
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary
 from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
@@ -77,7 +78,9 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         with open(table, encoding='utf-8') as f:
             table_doc = json.load(f)
     # a table given with --table is the one the model trained on only where it has the recorded table's content
+    digest = (meta.get('patchmix') or {}).get('table_sha256')  # (recorded since the table's path may move)
     trained_on_table = bool(trained_with) and table_doc is not None and (
+        file_record(table)['sha256'] == digest if digest else
         table == trained_with or (os.path.isfile(trained_with) and _same_bytes(table, trained_with)))
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
