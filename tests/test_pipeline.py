@@ -552,6 +552,23 @@ def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, phase, content
     assert snapshot(out) == before
 
 
+def test_a_done_json_that_is_a_folder_is_one_error_line(tmp_path, capsys):
+    """A phase folder whose done.json is a folder: the phase was taken as unfinished, retrained, and the pipeline
+    ended in a traceback writing its record; it is now one error line before any phase runs."""
+    from timm_patchmix.pipeline import cli
+    out = tmp_path / 'out'
+    argv = ['--output', str(out), '--methods', 'random_pm', 'guided_pm'] + TINY_TRAIN
+    _finished_phases(out, argv)
+    done = out / 'seed0' / 'guided_pm' / 'done.json'
+    done.unlink()
+    done.mkdir()
+    before = snapshot(out)
+    assert cli(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: {done} cannot be read (') and err.count('\n') == 1
+    assert f'delete {out / "seed0" / "guided_pm"}' in err and snapshot(out) == before
+
+
 def test_corrupt_mask_table_of_a_finished_search_is_one_error_line(tmp_path, capsys):
     """The finished search's masks.json that is not a mask table (corrupt, or an edited file) stops the guided phase
     with exit status 1 and one error line naming the table and the search folder to delete."""

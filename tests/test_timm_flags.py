@@ -520,6 +520,10 @@ def test_settings_of_a_mixer_that_is_off_are_named_not_silently_dropped(tmp_path
     lines = TrainConfig(patchmix=True, guided_prob=0.9).unused_settings()
     assert lines == ['--guided-prob 0.9 sets the guided batches of --patchmix-table, which is off in this run: it '
                      'changes nothing (add --patchmix-table with a search\'s masks.json to use it)']
+    assert TrainConfig(holdout_seed=3).unused_settings() == [
+        '--holdout-seed 3 sets the held-out images of --holdout, which is off in this run: it changes nothing (add '
+        '--holdout F to use it)']
+    assert TrainConfig(holdout=0.1, holdout_seed=3).unused_settings() == []
     lines = TrainConfig(patchmix_alpha=0.5, patchmix_collate=True, mixup_mode='pair').unused_settings()
     assert lines[0].startswith('--patchmix-alpha 0.5 and --patchmix-collate set how --patchmix mixes')
     assert lines[1].startswith("--mixup-mode pair sets timm's Mixup/CutMix of --mixup/--cutmix") and len(lines) == 2

@@ -282,7 +282,8 @@ def _check_all_phases(args) -> None:
 
 
 def _done(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, 'done.json'))
+    # (a done.json that is no file counts too: reading it names it, where a rerun would fail to write its own)
+    return os.path.lexists(os.path.join(folder, 'done.json'))
 
 
 def _mark(folder: str, info: Dict[str, Any]) -> None:

@@ -222,7 +222,7 @@ def _done_record(out: str, name: str, kind: Optional[str] = None) -> Optional[Di
     """Task ``name``'s ``done.json`` record, None when it is not done. A record must be a JSON object, with the
     wall time and the keys :data:`RECORD_KEYS` gives for ``kind``; else :class:`TaskRecordError`."""
     path = os.path.join(_folder(out, name), 'done.json')
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # (one that is no file is read, and named: a rerun could not write its own)
         return None
     need = ('wall_s',) + RECORD_KEYS.get(kind, ()) if kind is not None else ()
     noun = f'record of a finished {kind} task' if kind else 'task record'

@@ -473,7 +473,8 @@ class TrainConfig:
                  'the loss terms of a patch head', f', which {self.model} does not have (its loss is on its image '
                  f'logits alone)', 'train a patchhead_ model'),
                 (self.mixup_active, ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'),
-                 'timm\'s Mixup/CutMix of --mixup/--cutmix', off, 'add --mixup or --cutmix')):
+                 'timm\'s Mixup/CutMix of --mixup/--cutmix', off, 'add --mixup or --cutmix'),
+                (self.holdout, ('holdout_seed',), 'the held-out images of --holdout', off, 'add --holdout F')):
             # (a resolved config's grid is the default grid where none was given)
             given = [name for name in names if getattr(self, name) not in
                      ((None, DEFAULT_GRID) if name == 'grid' else (_FIELDS[name].default,))]

@@ -79,9 +79,10 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
             table_doc = json.load(f)
     # a table given with --table is the one the model trained on only where it has the recorded table's content
     digest = (meta.get('patchmix') or {}).get('table_sha256')  # (recorded since the table's path may move)
+    if not digest and trained_with and os.path.isfile(trained_with):  # an older checkpoint: its table's content
+        digest = file_record(trained_with)['sha256']
     trained_on_table = bool(trained_with) and table_doc is not None and (
-        file_record(table)['sha256'] == digest if digest else
-        table == trained_with or (os.path.isfile(trained_with) and _same_bytes(table, trained_with)))
+        file_record(table)['sha256'] == digest if digest else table == trained_with)
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = {k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)}
@@ -152,11 +153,6 @@ def _within(path: str, folder: str) -> bool:
     """Whether ``path`` is ``folder`` or lies under it (symbolic links resolved)."""
     p, f = os.path.realpath(path), os.path.realpath(folder)
     return p == f or p.startswith(f.rstrip(os.sep) + os.sep)
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    with open(a, 'rb') as fa, open(b, 'rb') as fb:
-        return fa.read() == fb.read()
 
 
 def _check_destination(checkpoint: str, folder: str, table: Optional[str]) -> None:
