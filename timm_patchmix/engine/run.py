@@ -346,12 +346,11 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg).to(rt.device), cfg, rt.device, scheduler,
                       loaders.mixer, autocast, scaler, start.updates, frozen, ema)
     args_pending = False
+    meta = weights_meta(cfg, model_kwargs, data.class_names, data.holdout)  # of every weights file the run writes
     # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
     with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
         if cfg.resume:
-            _restore_weights_files(cfg, rt, out_dir, start,
-                                   weights_meta(cfg, model_kwargs, data.class_names, data.holdout),
-                                   needs_best=data.test is not None)
+            _restore_weights_files(cfg, rt, out_dir, start, meta, needs_best=data.test is not None)
         if rt.primary:
             args_pending = write_start(out_dir, cfg, start.rows)
             n_params = sum(p.numel() for p in model.parameters())
@@ -367,8 +366,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
                 _say(rt, f'note: {line}')
             _say(rt, f'{cfg.model}: {n_params / 1e6:.2f}M params, {cfg.num_classes} classes, {images}, {num_epochs} '
                      f'epochs, batch {cfg.batch_size} x {rt.world_size}{accum}, lr {cfg.lr:g}, output {out_dir}')
-        writer = _EpochWriter(cfg, rt, out_dir, model, optimizer,
-                              weights_meta(cfg, model_kwargs, data.class_names, data.holdout), settings, stepper,
+        writer = _EpochWriter(cfg, rt, out_dir, model, optimizer, meta, settings, stepper,
                               args_pending=args_pending, checkpoints=list(start.checkpoints))
         rows, best = _epochs(cfg, rt, stepper, model, loaders, start, num_epochs, per_epoch, writer, on_step)
         test = None
