@@ -231,6 +231,21 @@ def fake_hf_cache(cache, repo_id, folder, commit='0' * 40):
     shutil.copytree(folder, os.path.join(base, 'snapshots', commit))
 
 
+def load_from_a_fake_hub(tmp_path, repo, folder, preamble=''):
+    """``timm.create_model('hf-hub:<repo>', pretrained=True)`` in a fresh process, offline, from a local Hub cache
+    holding ``folder`` (after ``preamble``); it prints ``refused: <message>`` for a CheckpointError."""
+    fake_hf_cache(str(tmp_path / 'cache'), repo, folder)
+    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
+               PYTHONPATH=PYPATH)
+    script = ('import sys, timm, timm_patchmix\n' + preamble +
+              'from timm_patchmix.checkpoint import CheckpointError\n'
+              'try:\n'
+              '    timm.create_model("hf-hub:" + sys.argv[1], pretrained=True)\n'
+              'except CheckpointError as e:\n'
+              '    print("refused:", e)\n')
+    return subprocess.run([sys.executable, '-c', script, repo], env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_hf_hub_from_a_local_cache_offline(tmp_path):
     name = 'patchhead_resnet32_cifar.rpm_patchshapes'
     repo = f'{HUB_NAMESPACE}/{name}'
@@ -441,18 +456,8 @@ def test_weights_are_read_from_safetensors_only(tmp_path, monkeypatch):
         timm.create_model('patchhead_resnet32_cifar', pretrained=True,
                           pretrained_cfg_overlay=dict(file=str(tmp_path / 'weights.pth')))
     # a Hub repo (from a local cache, offline) whose only weights are pytorch_model.bin
-    repo = f'{HUB_NAMESPACE}/pickled-only'
-    fake_hf_cache(str(tmp_path / 'cache'), repo, str(folder))
-    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
-               PYTHONPATH=PYPATH)
-    script = ('import sys, torch, timm, timm_patchmix\n'
-              'torch.load = lambda *a, **k: sys.exit("torch.load was called")\n'
-              'from timm_patchmix.checkpoint import CheckpointError\n'
-              'try:\n'
-              '    timm.create_model("hf-hub:" + sys.argv[1], pretrained=True)\n'
-              'except CheckpointError as e:\n'
-              '    print("refused:", e)\n')
-    r = subprocess.run([sys.executable, '-c', script, repo], env=env, capture_output=True, text=True, timeout=300)
+    r = load_from_a_fake_hub(tmp_path, f'{HUB_NAMESPACE}/pickled-only', str(folder),
+                             'import torch\ntorch.load = lambda *a, **k: sys.exit("torch.load was called")\n')
     assert r.returncode == 0 and 'refused: could not load the weights' in r.stdout, r.stdout + r.stderr[-2000:]
     assert 'model.safetensors' in r.stdout
 
@@ -706,17 +711,7 @@ def test_a_bit_flipped_in_a_hub_folders_weights_is_named_through_timms_loaders(t
         timm.create_model(f'local-dir:{folder}', pretrained=True)
     with pytest.raises(CheckpointError, match=r'model\.safetensors is corrupt'):
         hub.model_from_weights(weights)
-    repo = f'{HUB_NAMESPACE}/flipped'
-    fake_hf_cache(str(tmp_path / 'cache'), repo, folder)
-    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HUB_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'home'),
-               PYTHONPATH=PYPATH)
-    script = ('import sys, timm, timm_patchmix\n'
-              'from timm_patchmix.checkpoint import CheckpointError\n'
-              'try:\n'
-              '    timm.create_model("hf-hub:" + sys.argv[1], pretrained=True)\n'
-              'except CheckpointError as e:\n'
-              '    print("refused:", e)\n')
-    r = subprocess.run([sys.executable, '-c', script, repo], env=env, capture_output=True, text=True, timeout=300)
+    r = load_from_a_fake_hub(tmp_path, f'{HUB_NAMESPACE}/flipped', folder)
     assert r.returncode == 0 and 'refused: ' in r.stdout and 'model.safetensors is corrupt' in r.stdout, \
         r.stdout + r.stderr[-2000:]
     assert 'hf cache delete' in r.stdout
