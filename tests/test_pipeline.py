@@ -534,7 +534,13 @@ def test_owned_train_flags_cover_what_the_pipeline_sets(budget, tmp_path):
 @pytest.mark.parametrize('phase, content, why', [('random_pm', '{"method": "random_pm", "fin', 'not valid JSON'),
                                                  ('random_pm', '[]', 'a JSON list, not an object'),
                                                  ('guided_pm', '{"method": "guided_pm"}', 'no final_top1'),
-                                                 ('search', '"table"', 'a JSON str, not an object')])
+                                                 ('search', '"table"', 'a JSON str, not an object'),
+                                                 ('random_pm', '{"method": "random_pm", "final_top1": "8.3", '
+                                                  '"best_top1": 1}', "final_top1 must be a number, got '8.3'"),
+                                                 ('guided_pm', '{"method": "guided_pm", "final_top1": 1, '
+                                                  '"best_top1": NaN}', 'best_top1 must be a number, got nan'),
+                                                 ('guided_pm', '{"method": 3, "final_top1": 1, "best_top1": 1}',
+                                                  'method must be a string, got 3')])
 def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, phase, content, why):
     """A finished phase's done.json that is truncated, not an object or lacks what the report reads stops the rerun
     with exit status 1 and one error line naming the file and the folder to delete, before any phase runs."""

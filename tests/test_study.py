@@ -295,7 +295,7 @@ def test_a_task_missing_an_earlier_tasks_file_fails_and_the_study_reports(tmp_pa
     # the keys there, of another type: the report computed with them and failed with a traceback
     ('{"wall_s": 1, "final_top1": "8.3", "best_top1": 1, "rows": []}', "final_top1 must be a number, got '8.3'"),
     ('{"wall_s": 1, "final_top1": 1, "best_top1": null, "rows": []}', 'best_top1 must be a number, got None'),
-    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": 5}', 'rows must be a list of rows (objects), got 5'),
+    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": 5}', 'rows must be a list of objects, got 5'),
     ('{"wall_s": "x", "final_top1": 1, "best_top1": 1, "rows": []}', "wall_s must be a number, got 'x'")])
 @pytest.mark.parametrize('flags', [['--list'], ['--report'], ['--tasks', 'base/s0']])
 def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, content, why, flags):

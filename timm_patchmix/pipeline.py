@@ -34,8 +34,8 @@ from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
 from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
 from .locking import FolderBusyError, hold_folder
-from .settings import (INTERRUPTED, USAGE_ERROR, SettingsChangedError, check_settings, file_record, read_record,
-                       read_settings, write_settings)
+from .settings import (INTERRUPTED, NUMBER, STRING, USAGE_ERROR, SettingsChangedError, check_settings, file_record,
+                       read_record, read_settings, write_settings)
 from .viz import render_guided_samples
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
@@ -299,19 +299,14 @@ def _redo(folder: str) -> str:
     return f'delete {folder} (and the folders of the phases made from it) to run that phase again'
 
 
-def _read_done(folder: str, need: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """The ``done.json`` record of the finished phase in ``folder``: a JSON object with the keys ``need`` (number
-    keys hold numbers), else :class:`PhaseRecordError`."""
-    path = os.path.join(folder, 'done.json')
-    rec = read_record(path, 'phase record', _redo(folder), PhaseRecordError, need)
-    for k in need:
-        if k.endswith('_top1') and (isinstance(rec[k], bool) or not isinstance(rec[k], (int, float))):
-            raise PhaseRecordError(f'{path} is not a phase record ({k} is {rec[k]!r}, not a number); '
-                                   f'{_redo(folder)}')
-    return rec
+def _read_done(folder: str, need: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The ``done.json`` record of the finished phase in ``folder``: a JSON object with the keys ``need``, each of
+    its kind (see :func:`~timm_patchmix.settings.read_record`), else :class:`PhaseRecordError`."""
+    return read_record(os.path.join(folder, 'done.json'), 'phase record', _redo(folder), PhaseRecordError, need or {})
 
 
-RUN_RECORD_KEYS = ('method', 'final_top1', 'best_top1')  # what the report reads from a training phase's record
+# what the report reads from a training phase's record
+RUN_RECORD_KEYS = {'method': STRING, 'final_top1': NUMBER, 'best_top1': NUMBER}
 
 
 def _run_done(folder: str, name: str) -> Dict[str, Any]:

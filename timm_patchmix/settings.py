@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .checkpoint import atomic_write_text
 
 __all__ = ['SettingsChangedError', 'file_record', 'differences', 'check_settings', 'read_settings', 'read_record',
-           'write_settings', 'USAGE_ERROR']
+           'write_settings', 'USAGE_ERROR', 'NUMBER', 'INTEGER', 'STRING', 'OBJECT', 'OBJECTS']
 
 USAGE_ERROR = 2  # exit status of a refused resume or rerun, as for other usage errors
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT, as a shell reports a process SIGINT stopped)
@@ -98,8 +99,20 @@ def read_settings(path: str) -> Optional[Dict[str, Any]]:
     return doc
 
 
-def read_record(path: str, noun: str, remedy: str, error: type, need: Sequence[str] = ()) -> Dict[str, Any]:
-    """The JSON object at ``path`` (a finished phase's or task's ``done.json``) holding the keys ``need``; else
+# what a value in a record must be, for read_record's ``need``: a test, and the words the error uses for it
+Kind = Tuple[Callable[[Any], bool], str]
+NUMBER: Kind = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                'a number')
+INTEGER: Kind = (lambda v: isinstance(v, int) and not isinstance(v, bool), 'an integer')
+STRING: Kind = (lambda v: isinstance(v, str), 'a string')
+OBJECT: Kind = (lambda v: isinstance(v, dict), 'an object')
+OBJECTS: Kind = (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), 'a list of objects')
+
+
+def read_record(path: str, noun: str, remedy: str, error: type,
+                need: Union[Sequence[str], Mapping[str, Optional[Kind]]] = ()) -> Dict[str, Any]:
+    """The JSON object at ``path`` (a finished phase's or task's ``done.json``) holding the keys ``need``, each of
+    the :data:`Kind` it maps to (a sequence of keys, or a key mapped to None, is checked only to be there); else
     ``error`` with a message naming the file, what it is not (``noun``), why, and ``remedy``."""
     try:
         with open(path, encoding='utf-8') as f:
@@ -113,6 +126,10 @@ def read_record(path: str, noun: str, remedy: str, error: type, need: Sequence[s
     missing = [k for k in need if k not in rec]
     if missing:
         raise error(f'{path} is not a {noun} (no {", ".join(missing)}); {remedy}')
+    kinds = need.items() if isinstance(need, Mapping) else ()
+    for key, kind in kinds:
+        if kind is not None and not kind[0](rec[key]):
+            raise error(f'{path} is not a {noun} ({key} must be {kind[1]}, got {rec[key]!r}); {remedy}')
     return rec
 
 

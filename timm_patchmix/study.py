@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-import math
 import os
 import shutil
 import statistics
@@ -46,8 +45,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
 from .cli_types import directory
 from .locking import FolderBusyError, hold_folder
-from .settings import (INTERRUPTED, USAGE_ERROR, SettingsChangedError, check_settings, read_record, read_settings,
-                       write_settings)
+from .settings import (INTERRUPTED, INTEGER, NUMBER, OBJECT, OBJECTS, USAGE_ERROR, SettingsChangedError, check_settings,
+                       read_record, read_settings, write_settings)
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
 
@@ -209,9 +208,9 @@ class TaskRecordError(RuntimeError):
     folder to delete so that a rerun runs that task again."""
 
 
-# what the report reads from each kind of task's record, besides its wall time
-RECORD_KEYS = {'train': ('final_top1', 'best_top1', 'rows'), 'search': ('best_fitness',),
-               'generalise': ('mean', 'genes'), 'export': ()}
+# what the report reads from each kind of task's record, besides its wall time, and of which kind
+RECORD_KEYS = {'train': {'final_top1': NUMBER, 'best_top1': NUMBER, 'rows': OBJECTS},
+               'search': {'best_fitness': NUMBER}, 'generalise': {'mean': OBJECT, 'genes': INTEGER}, 'export': {}}
 
 
 def _redo(out: str, name: str) -> str:
@@ -220,30 +219,13 @@ def _redo(out: str, name: str) -> str:
 
 def _done_record(out: str, name: str, kind: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Task ``name``'s ``done.json`` record, None when it is not done. A record must be a JSON object, with the
-    wall time and the keys :data:`RECORD_KEYS` gives for ``kind``; else :class:`TaskRecordError`."""
+    wall time and the keys :data:`RECORD_KEYS` gives for ``kind``, each of its kind; else :class:`TaskRecordError`."""
     path = os.path.join(_folder(out, name), 'done.json')
     if not os.path.lexists(path):  # (one that is no file is read, and named: a rerun could not write its own)
         return None
-    need = ('wall_s',) + RECORD_KEYS.get(kind, ()) if kind is not None else ()
+    need = {'wall_s': NUMBER, **RECORD_KEYS.get(kind, {})} if kind is not None else {}
     noun = f'record of a finished {kind} task' if kind else 'task record'
-    rec = read_record(path, noun, _redo(out, name), TaskRecordError, need)
-    for key in need:  # of the type the report reads
-        value, want = rec[key], _RECORD_TYPES.get(key)
-        if want is None:
-            continue
-        ok = (isinstance(value, want[0]) and not isinstance(value, bool)
-              and (key != 'rows' or all(isinstance(r, dict) for r in value))
-              and (not isinstance(value, float) or math.isfinite(value)))
-        if not ok:
-            raise TaskRecordError(f'{path} is not a {noun} ({key} must be {want[1]}, got {value!r}); '
-                                  f'{_redo(out, name)}')
-    return rec
-
-
-# the types of the RECORD_KEYS (and the wall time) that the report computes with
-_RECORD_TYPES = {'wall_s': ((int, float), 'a number'), 'final_top1': ((int, float), 'a number'),
-                 'best_top1': ((int, float), 'a number'), 'best_fitness': ((int, float), 'a number'),
-                 'rows': (list, 'a list of rows (objects)'), 'mean': (dict, 'an object'), 'genes': (int, 'an integer')}
+    return read_record(path, noun, _redo(out, name), TaskRecordError, need)
 
 
 def _task_file(out: str, name: str, file: str) -> str:
