@@ -289,6 +289,26 @@ def test_a_task_missing_an_earlier_tasks_file_fails_and_the_study_reports(tmp_pa
     assert os.path.isfile(os.path.join(out, 'report.md'))
 
 
+def test_the_report_states_the_images_the_runs_used(tmp_path):
+    """The header stated the subsets asked for; a split with fewer images trains on all it has, and the header now
+    gives the number the runs' records give, the asked one beside it (and in report.json)."""
+    out = str(tmp_path / 'study')
+    cfg = dict(study.QUICK, train_subset=4600)
+    tasks = study.build_tasks(cfg)
+    text = study.report(out, cfg, tasks, quick=True)
+    assert '4,600 training images' in text and '48 of its images' in text  # nothing finished: the asked sizes
+    splits = {'selection': 'holdout', 'test': 'validation', 'holdout': {'fraction': 0.1, 'seed': 0},
+              'train_images': 4500, 'val_images': 48, 'test_images': 30}
+    _record(out, 'base/s0', method='base', seed=0, final_top1=10.0, best_top1=10.0, splits=splits,
+            rows=[{'epoch': 0, 'train_loss': 1.0, 'eval_loss': 1.0, 'eval_top1': 10.0}])
+    text = study.report(out, cfg, tasks, quick=True)
+    assert '4,500 (of 4,600 asked: all the split has) training images' in text
+    assert ', 48 of its images select' in text and 'on 30 (of 48 asked: all the split has) test images' in text
+    images = json.loads(_read(os.path.join(out, 'report.json')))['images']
+    assert images == {'train': {'asked': 4600, 'used': 4500}, 'val': {'asked': 48, 'used': 48},
+                      'test': {'asked': 48, 'used': 30}}
+
+
 @pytest.mark.parametrize('content, why', [
     ('{"final_top1": 1', 'not valid JSON'), ('[]', 'a JSON list, not an object'),
     ('{"wall_s": 1}', 'no final_top1, best_top1, rows'),

@@ -448,17 +448,39 @@ def _values(runs, key, field_='final_top1', seeds=None) -> List[float]:
             if (seeds is None or s in seeds) and r.get(field_) is not None]
 
 
+def _images(runs, cfg: Dict[str, Any]) -> Dict[str, Dict[str, Optional[int]]]:
+    """The training, held-out and test images of the main runs: ``asked`` (the study's subsets) and ``used``, what
+    the first finished main run's record gives (None while none has finished): a split with fewer images than the
+    subset asked for trains or scores on all it has."""
+    used = next((r['splits'] for m in MAIN for _, r in sorted(runs.get(m, {}).items())
+                 if isinstance(r.get('splits'), dict) and r['splits'].get('holdout') is not None), {})
+    out: Dict[str, Dict[str, Optional[int]]] = {}
+    for key in ('train', 'val', 'test'):
+        n = used.get(f'{key}_images')
+        out[key] = {'asked': cfg[f'{key}_subset'],
+                    'used': n if isinstance(n, int) and not isinstance(n, bool) else None}
+    return out
+
+
+def _size_words(size: Dict[str, Optional[int]]) -> str:
+    used, asked = size['used'], size['asked']
+    if used is None or used == asked:
+        return f'{asked:,}'
+    return f'{used:,} (of {asked:,} asked: all the split has)' if used < asked else f'{used:,} ({asked:,} asked)'
+
+
 def report(out: str, cfg: Dict[str, Any], tasks: Dict[str, Task], quick: bool) -> str:
     """Write ``report.md``, ``report.json`` and the figures to ``out``; returns the Markdown."""
     data = collect(out, tasks)
     runs, other = data['runs'], data['other']
     main_seeds, abl_seeds = cfg['main_seeds'], cfg['ablation_seeds']
+    images = _images(runs, cfg)
     lines = [f'# PatchMix study{" (--quick: tiny sizes, the numbers are noise)" if quick else ""}', '',
-             f'Dataset `{cfg["dataset"] or "patchshapes"}`, `{cfg["model"]}`, {cfg["train_subset"]:,} training '
+             f'Dataset `{cfg["dataset"] or "patchshapes"}`, `{cfg["model"]}`, {_size_words(images["train"])} training '
              f'images, {cfg["epochs"]} epochs (`--recipe paper-cifar`, batch {cfg["batch_size"]}); '
              f'{cfg["holdout"] * 100:g}% of the training split held out (seed {cfg["holdout_seed"]}), '
-             f'{cfg["val_subset"]:,} of its images select the best epoch and score the search; top-1 (%) on '
-             f'{cfg["test_subset"]:,} test images, final epoch, mean ± std over seeds.', '']
+             f'{_size_words(images["val"])} of its images select the best epoch and score the search; top-1 (%) on '
+             f'{_size_words(images["test"])} test images, final epoch, mean ± std over seeds.', '']
     fg = [repr(float(e)) for e in cfg['fgsm']]
     lines += ['## Main table', '', f'Seeds {main_seeds}. FGSM: top-1 under FGSM at ε (pixels in [0, 1]).', '',
               '| method | test top-1 (final) | test top-1 (best held-out epoch) | ' +
@@ -532,7 +554,7 @@ def report(out: str, cfg: Dict[str, Any], tasks: Dict[str, Task], quick: bool) -
     figures(out, cfg, runs, table)
     atomic_write_text(os.path.join(out, 'report.md'), text)
     atomic_write_text(os.path.join(out, 'report.json'), json.dumps(
-        {'settings': cfg, 'quick': quick, 'tables': table,
+        {'settings': cfg, 'quick': quick, 'tables': table, 'images': images,
          'wall_s': dict({n: r['wall_s'] for n, r in other.items()},
                         **{f'{k}/s{s}': r['wall_s'] for k, v in runs.items() for s, r in v.items()})},
         indent=1, default=str))

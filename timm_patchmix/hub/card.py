@@ -145,16 +145,16 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
         'Fine-tune with the project\'s trainer: `python train.py --model hf-hub:' + repo_id +
         ' --pretrained --num-classes N --dataset ... --patchmix`.', '',
     ]
-    if (meta.get('patchmix') or {}).get('image_loss') is False:
+    if pm.get('image_loss') is False:
         lines += ['**Trained without the image loss** (`--no-image-loss`): the image classifier, which `model(x)` '
                   'returns, never trained. Predict with the patch head, the mean of the cell logits: '
                   '`model.forward_patches(x).mean(1)`, as the trainer evaluated it.', '']
-    if (meta.get('patchmix') or {}).get('patch_loss') is False:
+    if pm.get('patch_loss') is False:
         lines += ['**Trained without the patch loss** (`--no-patch-loss` or `--patch-loss-weight 0`): the patch '
                   'head, which `model.forward_patches(x)` returns, never trained; predict with `model(x)`.', '']
     lines += [
         '## Training', '',
-        f'- grid: {"x".join(str(g) for g in (meta.get("patchmix") or {}).get("grid") or [4, 4])}',
+        f'- grid: {"x".join(str(g) for g in pm.get("grid") or [4, 4])}',
         f'- data: {dataset}, input size {data.get("input_size")}, mean {data.get("mean")}, std {data.get("std")}',
     ]
     if meta.get('command'):
