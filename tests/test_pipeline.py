@@ -529,6 +529,22 @@ def test_owned_train_flags_cover_what_the_pipeline_sets(budget, tmp_path):
         assert dests <= set(OWNED_TRAIN_FLAGS), (name, dests - set(OWNED_TRAIN_FLAGS))
 
 
+@pytest.mark.parametrize('flags, noted', [(['--holdout', '0', '--holdout-seed', '3'], True),
+                                          (['--holdout', '0', '--holdout-s=3'], True),
+                                          (['--holdout', '0'], False), (['--holdout-seed', '3'], False),
+                                          (['--holdout', '0', '--holdout-seed', '0'], True)])
+def test_holdout_seed_without_a_holdout_is_a_note(tmp_path, capsys, monkeypatch, flags, noted):
+    """--holdout 0 with --holdout-seed N ran without a word about the seed, which then changes nothing (train.py
+    says so in a note); the pipeline now says so too, once, before any phase runs."""
+    import timm_patchmix.pipeline as pipeline
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: 'report')
+    assert pipeline.main(['--output', str(tmp_path / 'out')] + flags) == 'report'
+    err = capsys.readouterr().err
+    assert ('note: --holdout-seed' in err) == noted
+    if noted:
+        assert err.count('note:') == 1 and 'sets the held-out images of --holdout, which is off' in err
+
+
 # finished phases whose records cannot be read
 
 @pytest.mark.parametrize('phase, content, why', [('random_pm', '{"method": "random_pm", "fin', 'not valid JSON'),

@@ -841,6 +841,9 @@ def main(argv=None, *, on_train_step=None) -> str:
     if args.jobs > 1 and on_train_step is not None:
         raise ValueError('on_train_step needs --jobs 1: with --jobs N the phases run in other processes')
     _check_train_args(parser, args)
+    if not _holdout(args) and 'holdout_seed' in _set_by(build_parser(), argv):
+        print(f'note: --holdout-seed {args.holdout_seed} sets the held-out images of --holdout, which is off: it '
+              f'changes nothing (drop --holdout 0 to use it)', file=sys.stderr, flush=True)
     _check_all_phases(args)
     previous = torch.get_num_threads()
     try:
