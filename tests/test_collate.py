@@ -6,7 +6,7 @@ import pytest
 import torch
 from timm.data import FastCollateMixup, create_loader
 
-from timm_patchmix import FastCollatePatchMix, PatchMix, split_target
+from timm_patchmix import FastCollatePatchMix, PatchMix, PatchMixParams, split_target
 from timm_patchmix.collate import FastCollateGuidedPatchMix
 from timm_patchmix.data import PatchShapes
 from timm_patchmix.guided import MaskTable
@@ -122,3 +122,19 @@ def test_guided_collate_in_worker_stacks_into_shared_memory():
     loader = torch.utils.data.DataLoader(batch, batch_size=n, num_workers=1, collate_fn=fn)
     x, packed, shared, in_worker = next(iter(loader))
     assert in_worker and shared and x.shape == (n, 3, 10, 13) and packed.shape[0] == n
+
+
+def test_guided_collate_does_not_draw_params_apart_from_the_batch():
+    """The guided collate inherited sample/apply from the random collate, so `col.apply(batch, col.sample(B))`
+    gave Random PatchMix batches without a word; guided params come from the batch's labels and the class memory,
+    so both are now a TypeError that says how to get guided batches, and the call stays guided."""
+    n = 8
+    batch, _, _ = make_batch(n)
+    table = MaskTable((4, 3), 7, [str(c) for c in range(7)], 'fp', [(0, 1)], [np.ones((4, 3), bool)], [0.1], 0.1)
+    col = FastCollateGuidedPatchMix(table, num_classes=7, guided_prob=0.0, random_prob=0.0)
+    for call in (lambda: col.sample(n), lambda: col.apply(batch, PatchMixParams.identity(n, (4, 3)))):
+        with pytest.raises(TypeError, match=r'a guided batch\'s params come from its labels and the class memory'):
+            call()
+    images, packed = col(batch)  # no guided or random share: every sample clean
+    clean, _ = FastCollatePatchMix(grid=(4, 3), num_classes=7, prob=0.0)(batch)
+    assert torch.equal(images, clean)

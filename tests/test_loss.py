@@ -1,5 +1,6 @@
 """PatchMixLoss against hand-computed values."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def test_loss_errors():
         PatchMixLoss()((logits, patch), soft)
     assert PatchMixLoss(patch_loss=False)((logits, patch), soft).item() > 0
     _, packed16 = PatchMix(grid=4, num_classes=3)(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match='packed target for 3 classes and 4 cells'):
+    with pytest.raises(ValueError, match=r'built for a 4x4 grid \(16 cells\) and 3 classes, but the model gives 4 '):
         PatchMixLoss()((logits, patch), packed16)
     with pytest.raises(ValueError, match='target batch size 3'):
         PatchMixLoss()(logits, torch.tensor([0, 1, 2]))
@@ -251,3 +252,23 @@ def test_an_empty_batch_and_a_plain_logits_target_of_another_grid_are_named():
     with pytest.raises(ValueError, match='packed target was built for a 4x3 grid, not 3x4'):
         PatchMixLoss(grid=(3, 4))(logits, packed)
     assert torch.equal(PatchMixLoss(grid=(4, 3))(logits, packed), PatchMixLoss()(logits, packed))
+
+
+@pytest.mark.parametrize('patch_head', [False, True])
+def test_targets_for_another_class_count_are_named(patch_head):
+    """A soft target of timm's Mixup made for 10 classes, given to a 5-class model, was read as a packed target and
+    refused as one 'with a grid of 0x0'; a packed target of another class count on plain logits was split first.
+    Both are now named for what they are, with the model's class count."""
+    from timm.data import Mixup
+    out = (torch.randn(4, 5), torch.randn(4, 16, 5)) if patch_head else torch.randn(4, 5)
+    _, soft10 = Mixup(mixup_alpha=1.0, num_classes=10)(torch.rand(4, 3, 8, 8), torch.arange(4))
+    cells = ' and 16 cells' if patch_head else ''
+    with pytest.raises(ValueError, match=re.escape(
+            f"target of shape [4, 10] is neither class indices, a [B, 5] soft target for the model's 5 classes, "
+            f"nor a packed target for 5 classes{cells}; make the targets for num_classes=5")):
+        PatchMixLoss()(out, soft10)
+    _, packed6 = PatchMix(grid=4, num_classes=6)(torch.rand(4, 3, 8, 8), torch.arange(4))
+    with pytest.raises(ValueError, match='packed target holds 6 classes but the model has 5; mix with num_classes=5'):
+        PatchMixLoss()(out, packed6)
+    _, packed5 = PatchMix(grid=4, num_classes=5)(torch.rand(4, 3, 8, 8), torch.arange(4))
+    assert torch.isfinite(PatchMixLoss()(out, packed5))

@@ -115,6 +115,21 @@ class FastCollateGuidedPatchMix(FastCollatePatchMix):
     def _switched(self):
         return [self.mixer, self.guided]
 
+    def _apart(self, what: str):
+        # the inherited sample/apply use the random mixer alone: a replay through them would be Random PatchMix
+        raise TypeError(f'FastCollateGuidedPatchMix.{what}: a guided batch\'s params come from its labels and the '
+                        f'class memory, which the call updates, so they are not drawn apart from the batch; call '
+                        f'it on the batch (collate(batch)), or use GuidedPatchMix.sample(labels) on a tensor batch')
+
+    def sample(self, batch_size: int, *, generator: Optional[torch.Generator] = None) -> PatchMixParams:
+        """Not offered (a :class:`TypeError`): guided params depend on the batch's labels and the class memory."""
+        self._apart('sample')
+
+    def apply(self, batch: Sequence[Tuple[object, object]],
+              params: PatchMixParams) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Not offered (a :class:`TypeError`): guided params depend on the batch's labels and the class memory."""
+        self._apart('apply')
+
     def __call__(self, batch: List[Tuple[object, object]], _=None) -> Tuple[torch.Tensor, torch.Tensor]:
         images, target = self.stack(batch)
         return self.guided(images, target, fresh=True)

@@ -170,12 +170,19 @@ class PatchMixLoss(nn.Module):
             image_t, patch_t = target.float(), None
         else:
             ncell = patch_logits.shape[1] if patch_logits is not None else None
-            if ncell is not None and not is_packed_target(target, c, ncell):
+            k = _packed_classes(target)
+            if not (is_packed_target(target, c, ncell) if ncell is not None else k == c):
+                if k is not None and k != c:
+                    raise ValueError(f'packed target holds {k} classes but the model has {c}; mix with '
+                                     f'num_classes={c}')
+                if k == c:  # a packed target of another grid: the header check names both grids
+                    self._check_header(target, c, ncell)
+                # (e.g. a soft target of timm's Mixup made for another num_classes)
+                cells = f' and {ncell} cells' if ncell is not None else ''
                 raise ValueError(f'target of shape {list(target.shape)} is neither class indices, a [B, {c}] '
-                                 f'soft target, nor a packed target for {c} classes and {ncell} cells')
+                                 f'soft target for the model\'s {c} classes, nor a packed target for {c} classes'
+                                 f'{cells}; make the targets for num_classes={c}')
             image_t, patch_t = split_target(target, self.grid)  # (a given grid is checked on plain logits too)
-            if image_t.shape[1] != c:
-                raise ValueError(f'packed target holds {image_t.shape[1]} classes but the logits have {c}')
 
         if not use_patch:
             return self._rows(logits, image_t).mean()
@@ -190,6 +197,17 @@ class PatchMixLoss(nn.Module):
             return patch_term
         l_o = self._rows(logits, image_t).mean()
         return (l_o + patch_term) / 2
+
+
+def _packed_classes(target: torch.Tensor) -> Optional[int]:
+    """The class count of ``target`` (2-D, at least one row) read as a packed target: the width its header's grid
+    leaves for the two class blocks, halved; None when the header and width make no packed target (reads the
+    header: a sync on an accelerator, as splitting the target does anyway)."""
+    rows, cols = (int(v) for v in target[0, :2].tolist()) if target.shape[1] >= 2 else (0, 0)
+    width = target.shape[1] - _HEADER - rows * cols
+    if rows < 1 or cols < 1 or width < 2 or width % 2:
+        return None
+    return width // 2
 
 
 def packed_loss(logits: torch.Tensor, patch_logits: torch.Tensor, packed: torch.Tensor,
