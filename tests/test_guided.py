@@ -127,9 +127,13 @@ def test_guided_bad_labels_and_memory_size_raise_value_errors():
         mixer(x, torch.tensor([0.0, 1.0, 2.0]))
     with pytest.raises(ValueError, match='does not fit'):
         mixer(torch.rand(3, 3, 2, 8), torch.tensor([0, 1, 2]))
-    for size in (0, -1, 1.5, True):
+    for size in (0, -1, 1.5, True, np.int64(0), np.bool_(True)):
         with pytest.raises(ValueError, match='memory_size must be a positive int'):
             GuidedPatchMix(table, memory_size=size)
+    assert GuidedPatchMix(table, memory_size=np.int64(3)).memory.size == 3  # numpy ints, as grid and num_classes
+    with pytest.raises(MaskTableError, match=f'searched on another dataset \\(fingerprint {table.fingerprint}, '
+                                             f'this run other\\)'):
+        GuidedPatchMix(table, fingerprint='other')
     collate = FastCollateGuidedPatchMix(table)
     imgs = np.zeros((3, 8, 8), np.uint8)
     with pytest.raises(ValueError, match='integer class indices'):

@@ -266,10 +266,32 @@ def test_packed_target_stays_on_device_of_x():
                        PatchMixParams(torch.tensor([0, 1]), torch.ones(2, 2, 2, dtype=torch.bool))), '2x2 grid'),
     (lambda m: m.apply(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]),
                        PatchMixParams(torch.tensor([0, 2]), torch.ones(2, 4, 4, dtype=torch.bool))), 'outside'),
+    # (a None target was torch's 'Could not infer dtype of NoneType'; an image batch in [B, H, W, C] got no hint)
+    (lambda m: m(torch.rand(2, 3, 8, 8), None), 'target must be class indices .* got None'),
+    (lambda m: m(torch.rand(2, 32, 32, 3), torch.tensor([0, 1])),
+     r'grid 4x4 does not fit an image of 32x3.*\(x has shape \[2, 32, 32, 3\]: if that is \[B, H, W, C\], permute'),
 ])
 def test_bad_inputs_raise_named_errors(call, message):
+    x_seen = []
     with pytest.raises(ValueError, match=message):
-        call(PatchMix(num_classes=5))
+        call(_Recording(PatchMix(num_classes=5), x_seen))
+    if x_seen:  # nothing was mixed before the error
+        assert torch.equal(x_seen[0][0], x_seen[0][1])
+
+
+class _Recording:
+    """A mixer whose call keeps the image batch and a copy of it, to check a refused call left it as it was."""
+
+    def __init__(self, mixer, seen):
+        self.mixer, self.seen = mixer, seen
+
+    def __call__(self, x, y):
+        self.seen.append((x, x.clone()))
+        return self.mixer(x, y)
+
+    def apply(self, x, y, params):
+        self.seen.append((x, x.clone()))
+        return self.mixer.apply(x, y, params)
 
 
 @pytest.mark.parametrize('kwargs, message', [

@@ -22,8 +22,9 @@ class ClassMemory:
     even when the batch holds none (a batch of 128 from 100 classes usually misses the partner class)."""
 
     def __init__(self, num_classes: int, size: int = 4):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f'memory_size must be a positive int, got {size!r}')
+        size = int(size)
         self.num_classes, self.size = num_classes, size
         self.images: Optional[torch.Tensor] = None  # [num_classes, size, C, H, W]
         self.count = torch.zeros(num_classes, dtype=torch.long)
@@ -106,7 +107,8 @@ class GuidedPatchMix:
             if num_classes is not None and num_classes != table.num_classes:
                 raise MaskTableError(f'mask table is for {table.num_classes} classes, this run has {num_classes}')
             if fingerprint is not None and fingerprint != table.fingerprint:
-                raise MaskTableError('mask table was searched on another dataset')
+                raise MaskTableError(f'mask table was searched on another dataset (fingerprint {table.fingerprint}, '
+                                     f'this run {fingerprint})')
         guided_prob = _number(guided_prob, 'guided_prob', 0.0, 1.0)
         random_prob = _number(random_prob, 'random_prob', 0.0, 1.0)
         if guided_prob + random_prob > 1:

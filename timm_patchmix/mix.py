@@ -101,6 +101,8 @@ def soft_target(target: torch.Tensor, num_classes: int, smoothing: float = 0.0,
     device every batch, so there an out-of-range index fails in the one-hot scatter's own device-side bounds
     check instead (as it does for timm's ``Mixup``). ``train.py`` takes num_classes from the dataset's own classes.
     """
+    if target is None:
+        raise ValueError('target must be class indices [B] or a one-hot/soft target [B, C], got None')
     if not isinstance(target, torch.Tensor):
         target = torch.as_tensor(target)
     if batch_size is not None and (target.ndim == 0 or target.shape[0] != batch_size):
@@ -619,7 +621,13 @@ class PatchMix:
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f'x must be a 4-D image batch [B, C, H, W], got {shape}')
-        check_grid_fits(x.shape[2], x.shape[3], *self.grid)
+        try:
+            check_grid_fits(x.shape[2], x.shape[3], *self.grid)
+        except ValueError as e:
+            if x.shape[3] in (1, 3, 4) and x.shape[1] > 4:  # channels last in the shape, as images on disk are
+                raise ValueError(f'{e} (x has shape {list(x.shape)}: if that is [B, H, W, C], permute it to '
+                                 f'[B, C, H, W]; channels_last memory keeps the shape [B, C, H, W])') from None
+            raise
 
     def apply(self, x: torch.Tensor, target: torch.Tensor, params: PatchMixParams,
               source: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, *,
