@@ -124,6 +124,45 @@ def test_own_weights_with_overlay_in_chans_and_checkpoint_path(tmp_path):
     assert torch.equal(ft.backbone.conv1.weight, m.backbone.conv1.weight)
 
 
+@pytest.mark.parametrize('arch', ['resnet20_cifar', 'resnet32_cifar', 'resnet18'])
+def test_a_file_overlay_is_read_by_what_it_holds_whatever_tags_the_architecture_has(tmp_path, arch):
+    """A whole patchhead_ model's file in pretrained_cfg_overlay=dict(file=...) went to the plain backbone on an
+    architecture without a patchhead_ tag, which, under a class count other than its cfg's, loaded it
+    non-strictly: not at all, the model random, with a logged warning only; and a backbone's file was refused on
+    one with a tag. The file's tensor names now decide: a whole model's loads as the model's own weights (strict,
+    its class count read from the file, the tensor digest checked), a backbone's under a fresh patch head."""
+    from timm_patchmix.checkpoint import CheckpointError, save_weights
+    src = timm.create_model('patchhead_' + arch, num_classes=7)
+    path = str(tmp_path / 'whole.safetensors')
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path)
+    same = timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=path),
+                             num_classes=7)
+    assert same_weights(same, src)  # the heads too: the file's class count, not a tag's or the cfg's
+    assert timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=path)
+                             ).num_classes == 7
+    ft = timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=path),
+                           num_classes=3)
+    trunk = {k: v for k, v in src.state_dict().items() if not k.startswith(('backbone.fc.', 'patch_head.'))}
+    assert all(torch.equal(ft.state_dict()[k], v) for k, v in trunk.items())
+    assert ft.patch_head.fc.out_features == 3 and ft.backbone.state_dict()['fc.weight'].shape[0] == 3
+    # a backbone's file: the trunk under a fresh patch head, tag or none
+    plain = timm.create_model(arch, num_classes=7)
+    bpath = str(tmp_path / 'plain.safetensors')
+    save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, bpath)
+    under = timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=bpath),
+                              num_classes=7)
+    assert all(torch.equal(under.backbone.state_dict()[k], v) for k, v in plain.state_dict().items()
+               if not k.startswith('fc.'))  # (timm's rule: a class count other than the cfg's drops the head)
+    # the project's weights file of a whole model: its digest is checked on this path too
+    signed = str(tmp_path / 'signed.safetensors')
+    save_weights(signed, src.state_dict())
+    data = bytearray(open(signed, 'rb').read())
+    data[-1] ^= 0x10
+    open(signed, 'wb').write(bytes(data))
+    with pytest.raises(CheckpointError, match='is corrupt'):
+        timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=signed))
+
+
 FEATURE_ARCHS = [
     ('test_resnet', {}, 64),
     ('resnet18', {}, 64),

@@ -200,6 +200,32 @@ def _named_file(pretrained_cfg, overlay) -> Optional[str]:
     return cfg.get('file') or cfg.get('url') or None
 
 
+def _named_file_kind(pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
+    """For a local ``.safetensors`` file a caller names (``pretrained_cfg_overlay=dict(file=...)``) that holds a
+    whole ``patchhead_`` model, every tensor under ``backbone.`` or ``patch_head.`` (a ``model.state_dict()`` of
+    one, or the project's weights): ``{'whole': True, 'num_classes': the file's class count}``; for one that holds
+    other tensors (a plain backbone's weights): ``{'whole': False}``; None for a URL, or a file that cannot be read
+    (the loader names it).
+
+    The file's tensor names decide whether it is read as the whole model's or the backbone's, whatever tags the
+    architecture has: timm would give a whole model's file to the backbone, which, under another class count,
+    loads it non-strictly, that is not at all, with a logged warning only."""
+    named = _named_file(pretrained_cfg, overlay)
+    if not named or not str(named).endswith('.safetensors') or not os.path.isfile(named):
+        return None
+    try:
+        from safetensors import safe_open
+        with safe_open(named, framework='pt') as f:
+            keys = list(f.keys())
+            head = f.get_slice('patch_head.fc.weight').get_shape() if 'patch_head.fc.weight' in keys else None
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    if not keys or not all(k.startswith(('backbone.', 'patch_head.')) for k in keys):
+        return {'whole': False}
+    # (a per-position head's weight is [cells, C, D]; num_classes=0 leaves no classifier tensors)
+    return {'whole': True, 'num_classes': int(head[-2]) if head is not None and len(head) >= 2 else 0}
+
+
 def _check_backbone_file(pretrained_cfg, overlay) -> None:
     """The backbone's weights a caller names (``pretrained_cfg_overlay=dict(file=...)``) are read from safetensors
     only, as the patch-head weights are: timm alone would unpickle a .pth/.bin."""
@@ -236,6 +262,18 @@ def _entrypoint(arch: str):
         if tag is not None and f'{name}.{tag}' not in PATCHHEAD_PRETRAINED and tag not in _backbone_tags(arch):
             raise _no_weights(name, arch, tag)
         own = _own_cfg(name, pretrained_cfg, pretrained_cfg_overlay)
+        if pretrained and (own is None or own.get('source') not in ('hf-hub', 'local-dir')) \
+                and _named_file(pretrained_cfg, pretrained_cfg_overlay):
+            kind = _named_file_kind(pretrained_cfg, pretrained_cfg_overlay)
+            if kind is not None and kind['whole']:  # the file holds the whole model: read as its own weights
+                cfg = dict(own or {}, **(pretrained_cfg_overlay or {}), architecture=name)
+                if 'num_classes' not in (pretrained_cfg_overlay or {}):  # the file's, not a tag's
+                    cfg['num_classes'] = kind['num_classes']
+                own = cfg
+            elif kind is not None and own is not None:  # a backbone's file named beside this model's own tag
+                own = None
+                pretrained_cfg = None if isinstance(pretrained_cfg, str) else pretrained_cfg
+                tag = None
         if own is None and pretrained and tag is None and not isinstance(pretrained_cfg, (dict, PretrainedCfg)) \
                 and not any((pretrained_cfg_overlay or {}).get(k) for k in _SOURCES):
             raise _no_weights(name, arch)
