@@ -155,6 +155,21 @@ def test_fitness_max_is_named_with_the_same_definitions(ckpt, searched, tmp_path
     assert got['genes'] == res['genes'] and got['mean'] == res['mean']
 
 
+def test_a_table_that_keeps_the_easiest_genes_says_so(ckpt, tmp_path):
+    """A loss-score search with fitness 'min' keeps the lowest cross-entropies, the easiest genes: its positive gaps
+    say the chosen masks are easier than random ones, and the note now says so (it named fitness 'max' only)."""
+    cfg = SearchConfig(checkpoint=ckpt, output=str(tmp_path), population=6, generations=1, n_active=3, k=2,
+                       val_subset=SUBSET, eval_batch_size=64, seed=3, device='cpu', progress=False, plots=False,
+                       score='loss')
+    table = Search.from_checkpoint(cfg).run()
+    path = str(tmp_path / 'loss.json')
+    table.save(path)
+    got = table_generalisation(ckpt, path, **FAST)
+    assert got['score'] == 'loss' and got['fitness'] == 'min'
+    assert ("fitness 'min' and the loss score: it keeps the lowest scores, the easiest genes. The definitions are "
+            "the same, so a positive gap says the chosen masks score lower than random ones: easier") in got['note']
+
+
 def test_tables_that_do_not_fit_are_refused(ckpt, searched, tmp_path):
     _, _, path, _ = searched
     other = make_checkpoint(str(tmp_path / 'other.safetensors'), seed=1)

@@ -275,6 +275,31 @@ def test_search_leaves_the_callers_generators_and_a_drawing_callback_changes_not
     assert drawn.table.to_json() == quiet
 
 
+def test_which_genes_a_search_keeps_is_named(ckpt, tmp_path, capsys):
+    """--fitness min keeps the lowest scores: the hardest genes for patch accuracy (the paper), the easiest for
+    patch cross-entropy, where the help said 'min selects the hardest' whatever the score. A search that keeps the
+    easiest genes now says so in a note; the paper's and the loss score's 'max' do not."""
+    from timm_patchmix.search.config import kept_genes
+    assert [kept_genes(f, s) for f, s in (('min', 'accuracy'), ('max', 'accuracy'), ('min', 'loss'),
+                                          ('max', 'loss'))] == ['hardest', 'easiest', 'easiest', 'hardest']
+    for fitness, score, noted in (('min', 'loss', 'the lowest patch cross-entropy'), ('max', 'loss', None),
+                                  ('min', 'accuracy', None), ('max', 'accuracy', 'the highest patch accuracy')):
+        out = tmp_path / f'{fitness}_{score}'
+        cfg = parse_config(['--checkpoint', ckpt, '--output', str(out)] + SMALL +
+                           ['--generations', '1', '--fitness', fitness, '--score', score, '--no-plots'])
+        result = search(cfg)
+        err = capsys.readouterr().err
+        assert ('keeps the easiest genes' in err) == (noted is not None), (fitness, score, err)
+        if noted:
+            other = 'max' if fitness == 'min' else 'min'
+            assert (f'note: --fitness {fitness} with --score {score} keeps the easiest genes ({noted}); '
+                    f'--fitness {other} keeps the hardest') in err
+        # the table lists the genes it was chosen for first: lowest score first for 'min', highest for 'max'
+        scores = result.table.scores
+        assert scores == sorted(scores, reverse=fitness == 'max')
+    assert "'min' keeps the individuals of lowest mean score" in ' '.join(build_parser().format_help().split())
+
+
 def test_help_names_every_flag_with_defaults():
     parser = build_parser()
     text = parser.format_help()

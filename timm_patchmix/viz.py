@@ -95,7 +95,8 @@ def plot_pairs(table, path: str, max_pairs: int = 40) -> None:
         a.set_yticks([])
         a.set_title(f'{names[i][:10]}\n+ {names[j][:10]}', fontsize=7)
         a.set_xlabel(f'{table.scores[k]:.3f}', fontsize=7)
-    order = 'hardest' if (direction == 'min') == (harder == 'lower') else 'easiest'
+    from .search.config import kept_genes
+    order = kept_genes(direction, score)
     shown = f'{n} of {len(table.pairs)}' if n < len(table.pairs) else f'{n}'
     fig.suptitle(f'Searched class pairs and masks ({shown} pairs, {order} first; grid {table.grid[0]}x'
                  f'{table.grid[1]})', fontsize=9)

@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--patience', type=VALUE_TYPES['patience'], default=50,
                    help='stop after this many generations without a better best (0: never)')
     g.add_argument('--fitness', choices=FITNESS, default='min',
-                   help="'min' selects the hardest samples (the paper), 'max' the easiest")
+                   help="'min' keeps the individuals of lowest mean score, 'max' of highest: with --score accuracy "
+                        "the hardest samples (the paper) and the easiest; with --score loss the easiest and the "
+                        "hardest")
     g.add_argument('--score', choices=SCORES, default='accuracy',
                    help='per-gene score: patch accuracy of f_T (the paper) or patch cross-entropy')
     g.add_argument('--same-class-pairs', action='store_true', default=False,

@@ -59,6 +59,13 @@ def _choice(name: str, value: Any, choices: Tuple[str, ...]) -> None:
         raise ValueError(f'{name} must be one of {", ".join(map(repr, choices))}, got {value!r}')
 
 
+def kept_genes(fitness: str, score: str) -> str:
+    """Which genes a search with ``fitness`` and ``score`` keeps: ``'hardest'`` or ``'easiest'``. ``'min'`` keeps
+    the lowest scores, ``'max'`` the highest; a lower patch accuracy is harder (the paper's fitness: ``'min'``
+    with ``'accuracy'``), a higher patch cross-entropy is (``'max'`` with ``'loss'``)."""
+    return 'hardest' if (fitness == 'min') == (score == 'accuracy') else 'easiest'
+
+
 @dataclass(frozen=True)
 class Evolution:
     """How the population evolves (the paper's Algorithm 2 with DEAP).
@@ -71,7 +78,8 @@ class Evolution:
         tournsize: tournament size of the selection.
         hof: hall-of-fame size.
         patience: stop after this many generations without a better best (0: never).
-        fitness: ``'min'`` selects the hardest samples (the paper), ``'max'`` the easiest.
+        fitness: ``'min'`` keeps the lowest gene scores, ``'max'`` the highest: with the patch accuracy score the
+            hardest and the easiest samples (the paper: ``'min'``); see :func:`kept_genes`.
         seed: seeds the operators, the selection and the initial population.
     """
     population: int = 500

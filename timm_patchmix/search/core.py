@@ -216,7 +216,8 @@ class Search:
         return self.best_history[-1] == self.best_history[-1 - p]
 
     def table(self) -> MaskTable:
-        """The best individual's pairs and masks, hardest first (easiest first for fitness 'max')."""
+        """The best individual's pairs and masks, the genes it was chosen for first: lowest score first for fitness
+        'min', highest for 'max' (see :func:`~.config.kept_genes`)."""
         if not len(self.hof):
             raise RuntimeError('the search has not run yet: no best individual to make a table of')
         best = self.hof[0]

@@ -20,7 +20,8 @@ and its mask) is scored
   masks drawn as Random PatchMix draws them (:meth:`PatchMix.sample <timm_patchmix.mix.PatchMix.sample>`, alpha 1:
   every cell a fair coin), and ``matched``, masks with as many partner cells as the gene's mask at random positions.
 
-``gap = random - chosen`` is how much harder (lower score) the chosen mask is than a random one, and
+``gap = random - chosen`` is how much lower the chosen mask scores than a random one (how much harder, for the
+paper's search: fitness ``'min'`` on patch accuracy; see :func:`~timm_patchmix.search.config.kept_genes`), and
 ``retained = gap_fresh / gap_search`` the share of that gap that survives on fresh images.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ..grid import mask_to_bits
 from ..mix import PatchMix
 from ..settings import file_record
 from ..table import MaskTable, MaskTableError
-from .config import RUNTIME_FIELDS, SearchConfig
+from .config import RUNTIME_FIELDS, SearchConfig, kept_genes
 from .core import Search
 from .fitness import GeneScorer, aggregate, draw_image_pairs
 from .inputs import SearchError, ValidationData, load_validation
@@ -203,8 +204,8 @@ def table_generalisation(checkpoint: str, table: Union[str, MaskTable], fresh_k:
     ``gap_fresh`` by kind, ``retained = gap_fresh / gap_search`` (None where ``gap_search`` is 0), the fresh pool, the
     search and fresh image pairs as dataset indices of the split, and the random masks as integers, bit
     ``r * cols + c`` set where cell (r, c) comes from the first image) and ``mean`` (the mean of each over the
-    genes; its ``retained`` is the ratio of the mean gaps). Lower scores are harder when the search's fitness was
-    ``'min'``; a table searched with ``'max'`` (the easiest genes) says so in ``note``, with the same definitions.
+    genes; its ``retained`` is the ratio of the mean gaps). A table searched with fitness ``'max'``, or one that
+    keeps the easiest genes (``'min'`` on the loss score), says so in ``note``, with the same definitions.
 
     Raises :class:`GeneralisationError`, :class:`~timm_patchmix.table.MaskTableError` (a table for another grid,
     label set or dataset), ``SearchError`` or ``CheckpointError``, each naming what does not fit.
@@ -347,10 +348,15 @@ def table_generalisation(checkpoint: str, table: Union[str, MaskTable], fresh_k:
         'forward_images': scorer.forward_images + fresh.forward_images,
         'seconds': round(time.perf_counter() - t0, 3),
     }
-    if cfg.fitness == 'max':
-        result['note'] = ("the table was searched with fitness 'max' (the easiest genes): the definitions are the "
-                          "same, so there the chosen masks are meant to score higher than random ones and the gaps "
-                          "are negative")
+    kept = kept_genes(cfg.fitness, cfg.score)
+    if cfg.fitness == 'max' or kept == 'easiest':
+        lowest = cfg.fitness == 'min'
+        result['note'] = (f"the table was searched with fitness {cfg.fitness!r} and the {cfg.score} score: it keeps "
+                          f"the {'lowest' if lowest else 'highest'} scores, the {kept} genes. The definitions are the "
+                          f"same, so " + ("a positive gap says the chosen masks score lower than random ones: "
+                                          f"{'harder' if kept == 'hardest' else 'easier'}" if lowest else
+                                          "there the chosen masks are meant to score higher than random ones and "
+                                          "the gaps are negative"))
     return result
 
 

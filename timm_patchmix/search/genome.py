@@ -22,7 +22,7 @@ __all__ = ['PairSpace', 'Individual', 'MaskOps', 'fitness_class', 'bits_to_grid'
 
 
 def fitness_class(direction: str):
-    """DEAP fitness class: ``'min'`` (the paper: hardest samples) or ``'max'`` (its ablation)."""
+    """DEAP fitness class: ``'min'`` (lowest score first; the paper's, with patch accuracy) or ``'max'``."""
     name = {'min': 'PatchMixFitnessMin', 'max': 'PatchMixFitnessMax'}[direction]
     if not hasattr(creator, name):
         creator.create(name, base.Fitness, weights=(-1.0,) if direction == 'min' else (1.0,))

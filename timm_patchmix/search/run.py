@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import sys
 from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..locking import hold_folder
-from .config import SearchConfig, SearchResult
+from .config import SearchConfig, SearchResult, kept_genes
 from .core import GenerationCallback, Search, SearchError
 from .inputs import SearchUsageError
 
@@ -56,6 +57,11 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
             print(f'search: {s.num_classes} classes, {len(s.space)} pairs, N={s.n_active}, K={cfg.k}, population '
                   f'{cfg.population}, {cfg.generations} generations, grid {s.grid[0]}x{s.grid[1]}, fitness '
                   f'{cfg.fitness} {cfg.score}, scored on {_scored_on(s.record)}', flush=True)
+            if kept_genes(cfg.fitness, cfg.score) == 'easiest':
+                other, end = ('max', 'lowest') if cfg.fitness == 'min' else ('min', 'highest')
+                what = 'patch accuracy' if cfg.score == 'accuracy' else 'patch cross-entropy'
+                print(f'note: --fitness {cfg.fitness} with --score {cfg.score} keeps the easiest genes (the {end} '
+                      f'{what}); --fitness {other} keeps the hardest', file=sys.stderr, flush=True)
         bar = tqdm(total=cfg.generations, initial=s.gen, desc='search', unit='gen',
                    disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
 
