@@ -189,6 +189,10 @@ def test_tables_that_do_not_fit_are_refused(ckpt, searched, tmp_path):
     args['scored_on'] = dict(args['scored_on'], sha256='0' * 64)
     with pytest.raises(GeneralisationError, match='scored on other images'):
         table_generalisation(ckpt, edited('on.json', search_args=args), **FAST)
+    # the record's note is words about the images, which a version may change: the images are compared
+    args = json.load(open(path))['search_args']
+    args['scored_on'] = dict(args['scored_on'], note='as an earlier version worded it')
+    assert table_generalisation(ckpt, edited('note.json', search_args=args), **FAST)['genes']
     with pytest.raises(GeneralisationError, match='lower --fresh-k'):
         table_generalisation(ckpt, path, fresh_k=200, random_masks=1)
     with pytest.raises(SystemExit, match='^error: .*was not searched with'):

@@ -341,9 +341,17 @@ def test_search_split_errors(tmp_path, capsys, caplog):
         data = load_validation(cfg, model, meta)
     assert data.split == 'validation' and data.ds.base.split == 'validation'
     assert 'trained without --holdout' in caplog.text
-    # the training split itself may be named (it is not the test split)
-    assert load_validation(cfg.replace(checkpoint=held, val_split='train', val_subset=20), model,
-                           meta={'data': dict(meta['data'], holdout={'fraction': 0.1, 'seed': 0})}).split == 'train'
+    assert data.record()['note'] == ("the checkpoint was trained without --holdout: these are its evaluation split's "
+                                     "images, the split it was also evaluated on")
+    # the training split itself may be named (it is not the test split), with a warning, and the record says what
+    # it is: it said 'trained without --holdout: its evaluation split' of every split but the holdout
+    for hold, extra in (({'fraction': 0.1, 'seed': 0}, ' and its held-out ones'), (None, '')):
+        caplog.clear()
+        with caplog.at_level('WARNING'):
+            data = load_validation(cfg.replace(checkpoint=held, val_split='train', val_subset=20), model,
+                                   meta={'data': dict(meta['data'], holdout=hold)})
+        assert data.split == 'train' and 'scoring the genes on the split that' in caplog.text
+        assert data.record()['note'] == f'the split the checkpoint trained on: its training images among them{extra}'
 
 
 # --- the pipeline ---------------------------------------------------------------------------------------------

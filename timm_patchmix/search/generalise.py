@@ -170,6 +170,10 @@ def _tolerance(cfg: SearchConfig, cells: int, tolerance: Optional[float]) -> flo
     return 1e-2 if cfg.amp else 1e-4
 
 
+def _without_note(record: Any) -> Any:
+    return {k: v for k, v in record.items() if k != 'note'} if isinstance(record, dict) else record
+
+
 def table_generalisation(checkpoint: str, table: Union[str, MaskTable], fresh_k: int = 32, random_masks: int = 16,
                          seed: int = 0, device: str = 'cpu', eval_batch_size: Optional[int] = None,
                          tolerance: Optional[float] = None) -> Dict[str, Any]:
@@ -230,7 +234,8 @@ def table_generalisation(checkpoint: str, table: Union[str, MaskTable], fresh_k:
         whole = load_validation(cfg.replace(val_subset=None), scorer.model, meta)
     scored_on = data.record()
     recorded_on = (tab.search_args or {}).get('scored_on')
-    if recorded_on is not None and recorded_on != scored_on:
+    # (the note says what the images are to f_T, in words a version may change: the images are the rest)
+    if recorded_on is not None and _without_note(recorded_on) != _without_note(scored_on):
         raise GeneralisationError(
             f'{where} was scored on other images than {checkpoint} gives for its search_args (recorded '
             f'{_describe(recorded_on)}, now {_describe(scored_on)}): a table searched with another checkpoint, or a '

@@ -80,6 +80,7 @@ class ValidationData:
     ds: Any
     data_meta: Dict[str, Any]
     holdout: Optional[Dict[str, Any]] = None
+    note: Optional[str] = None  # what the record says these images are to f_T, where that is not the holdout
 
     @property
     def num_classes(self) -> int:
@@ -94,9 +95,8 @@ class ValidationData:
         out = {'split': self.split, 'dataset': self.dataset, 'images': len(self.ds), 'sha256': index_hash(self.indices)}
         if self.holdout is not None:
             out['holdout'] = dict(self.holdout)
-        else:
-            out['note'] = ('the checkpoint was trained without --holdout: these are its evaluation split\'s images, '
-                           'the split it was also evaluated on')
+        if self.note:
+            out['note'] = self.note
         return out
 
     def images(self, device) -> torch.Tensor:
@@ -188,8 +188,29 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     names = list(ds.classes) or [str(i) for i in range(num_classes)]
     labels = np.array([ds.base.targets[i] for i in ds.indices]) if hasattr(ds.base, 'targets') else \
         np.array([ds[i][1] for i in range(len(ds))])
+    note = _scored_note(cfg, meta.get('data', {}), dataset, data_dir, split)
     data = recorded_data_config(data, model)  # how validation made f_T's pixels
-    return ValidationData(dataset, data_dir, split, names, labels, ds, data, holdout)
+    return ValidationData(dataset, data_dir, split, names, labels, ds, data, holdout, note)
+
+
+def _scored_note(cfg: SearchConfig, data: Dict[str, Any], dataset: str, data_dir: str, split: str) -> Optional[str]:
+    """What the scored split is to f_T, for the table's record, where that is not its held-out images: the split
+    it trained on (with a warning: the fitness is meant for images f_T did not train on), or the evaluation split
+    that chose its best epoch; None for another split."""
+    from ..data import is_train_split
+    if split == HOLDOUT:
+        return None
+    if is_train_split(split) or split == data.get('train_split', 'train'):
+        held = ' and its held-out ones' if data.get('holdout') else ''
+        _logger.warning('--val-split %s: scoring the genes on the split that %s trained on (its training images '
+                        'among them%s), whose accuracy its training flatters; the paper scores them on validation '
+                        'images f_T did not train on%s', split, cfg.checkpoint, held,
+                        ' (leave --val-split unset to use its held-out images)' if data.get('holdout') else '')
+        return f'the split the checkpoint trained on: its training images among them{held}'
+    if not data.get('holdout') and _is_test_split(dataset, data_dir, split, data.get('val_split', 'validation')):
+        return ('the checkpoint was trained without --holdout: these are its evaluation split\'s images, the split '
+                'it was also evaluated on')
+    return None
 
 
 def resume_settings(cfg: SearchConfig, data: ValidationData, grid: Tuple[int, int], n_active: int
