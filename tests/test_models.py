@@ -265,3 +265,34 @@ def test_reset_classifier_keeps_dtype_mode_and_reports_the_pooled_width(name):
     assert m.forward_head(m.forward_features(x.to(torch.bfloat16)), pre_logits=True).shape[1] == m.num_features
     assert m(x.to(torch.bfloat16)).shape == (2, 5)
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+
+
+@pytest.mark.parametrize('name', ['patchhead_resnet8_cifar', 'patchhead_resnet18'])
+def test_factory_device_and_dtype_reach_the_patch_head(name):
+    """timm's create_model takes device=/dtype= factory arguments; they reached the backbone only, so a float64
+    (or bf16) model's train-mode forward failed in the float32 patch head, and device='meta' left the patch head in
+    real memory. The patch head now follows the backbone's parameters."""
+    m = timm.create_model(name, num_classes=3, grid=2, dtype=torch.float64).train()
+    assert {p.dtype for p in m.parameters()} == {torch.float64}
+    logits, patches = m(torch.randn(2, 3, 64, 64, dtype=torch.float64))
+    assert logits.dtype == patches.dtype == torch.float64 and patches.shape == (2, 4, 3)
+    meta = timm.create_model(name, num_classes=3, grid=2, device='meta')
+    assert {t.device.type for t in meta.state_dict().values()} == {'meta'}
+
+
+@pytest.mark.parametrize('prune_head', [True, False])
+def test_a_pruned_backbones_narrower_map_gets_a_patch_head_of_its_width(prune_head):
+    """After prune_intermediate_layers dropped the last stages, the feature map is narrower (64 -> 32 here); the
+    patch head kept the old width, so reset_classifier built it at 64 and the train-mode forward failed where the
+    plain model's works. It now takes the pruned map's width, as the backbone's num_features says."""
+    plain = timm.create_model('resnet8_cifar', num_classes=10)
+    m = timm.create_model('patchhead_resnet8_cifar', num_classes=10, grid=2)
+    assert m.prune_intermediate_layers([0, 2], prune_head=prune_head) == \
+        plain.prune_intermediate_layers([0, 2], prune_head=prune_head)
+    assert m.num_features == plain.num_features == m.patch_head.num_features == 32
+    m.reset_classifier(5, global_pool='avg')
+    plain.reset_classifier(5, global_pool='avg')
+    x = torch.randn(2, 3, 32, 32)
+    assert plain.train()(x).shape == (2, 5)
+    logits, patches = m.train()(x)
+    assert logits.shape == (2, 5) and patches.shape == (2, 4, 5) and m.patch_head.fc.in_features == 32

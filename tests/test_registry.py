@@ -1,6 +1,7 @@
 """patchhead_* registration through timm's public API, the pretrained tags and what pretrained=True loads,
 features_only, in_chans, pretrained_cfg_overlay, checkpoint_path, and the weights shipped in the package."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -263,3 +264,25 @@ def test_the_shipped_weights_load_from_a_wheel(tmp_path):
     r = subprocess.run([sys.executable, '-c', code, site, *sorted(PATCHHEAD_PRETRAINED)], cwd=str(tmp_path),
                        **dict(run, env=dict(env, PYTHONPATH=site)))
     assert r.returncode == 0 and r.stdout.strip().endswith('ok'), r.stderr[-3000:]
+
+
+def test_own_weights_of_another_input_size_name_the_tensor_and_the_way_that_works(tmp_path):
+    """A whole model's weights do not pass through the backbone's own checkpoint filter (which resamples a ViT's
+    position embedding to the input size asked for): at another img_size the load failed with torch's size-mismatch
+    text. It is now a CheckpointError naming the tensor, both shapes and what works: create the model as the
+    weights were made, then set_input_size, which resamples it."""
+    from timm_patchmix.checkpoint import CheckpointError
+    arch = 'patchhead_vit_tiny_patch16_224'
+    src = timm.create_model(arch, img_size=64, grid=2, num_classes=4)
+    path = str(tmp_path / 'vit64.safetensors')
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path)
+    with pytest.raises(CheckpointError, match=re.escape(
+            'backbone.pos_embed is [1, 17, 192] in the file and [1, 37, 192] in the model; the weights were made '
+            'with other model arguments (an input or patch size, say): create the model with those (its '
+            'config.json model_args) and change the input size afterwards with model.set_input_size(...)')):
+        timm.create_model(arch, img_size=96, grid=2, pretrained=True, pretrained_cfg_overlay=dict(file=path))
+    m = timm.create_model(arch, img_size=64, grid=2, pretrained=True, pretrained_cfg_overlay=dict(file=path))
+    assert same_weights(m, src)
+    m.set_input_size(img_size=96)
+    logits, patches = m.train()(torch.randn(2, 3, 96, 96))
+    assert logits.shape == (2, 4) and patches.shape == (2, 4, 4)

@@ -101,11 +101,12 @@ class CifarResNet(nn.Module):
         depths: blocks per stage.
         widths: base widths per stage (bottlenecks output 4x).
         stem_width: channels of the 3x3 stem.
+        device, dtype: timm's factory arguments: where and in which floating dtype the model is made.
     """
 
     def __init__(self, block: str = 'basic', depths=(5, 5, 5), widths=(16, 32, 64), stem_width: int = 16,
                  num_classes: int = 10, in_chans: int = 3, global_pool: str = 'avg', drop_rate: float = 0.0,
-                 drop_path_rate: float = 0.0):
+                 drop_path_rate: float = 0.0, device=None, dtype=None):
         super().__init__()
         blocks = {'basic': BasicBlock, 'preact_basic': PreActBasicBlock, 'preact_bottleneck': PreActBottleneck}
         if block not in blocks:
@@ -148,6 +149,8 @@ class CifarResNet(nn.Module):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+        if device is not None or dtype is not None:  # timm's factory arguments, as its own models take them
+            self.to(device=device, dtype=dtype)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False):

@@ -257,6 +257,7 @@ class PatchHeadModel(nn.Module):
         self.backbone = backbone
         self.grid = to_grid(grid)
         self.patch_head = PatchHead(backbone.num_features, backbone.num_classes, self.grid, per_position)
+        self._follow_backbone()  # (a backbone made with timm's device=/dtype= factory arguments)
         self._sync_layout()
         cfg = dict(getattr(backbone, 'pretrained_cfg', None) or {})
         classifier = cfg.get('classifier') or 'fc'
@@ -334,13 +335,19 @@ class PatchHeadModel(nn.Module):
             self.backbone.reset_classifier(num_classes, **kwargs)
         else:
             self.backbone.reset_classifier(num_classes, global_pool, **kwargs)
+        self.patch_head.num_features = self.backbone.num_features  # (a pruned backbone's feature map is narrower)
         self.patch_head.reset(num_classes)
-        ref = next(self.backbone.parameters(), None)
+        self._follow_backbone(**{k: kwargs[k] for k in ('device', 'dtype') if kwargs.get(k) is not None})
+        self.patch_head.train(self.training)  # a model in eval mode keeps its new head in eval mode, as timm's ResNet
+
+    def _follow_backbone(self, **given) -> None:
+        """Put the patch head's classifier on the device and in the floating dtype of the backbone's parameters
+        (or those ``given``, as timm's ``reset_classifier`` takes them)."""
+        ref = next((p for p in self.backbone.parameters() if p.is_floating_point()), None)
         dd = {} if ref is None else dict(device=ref.device, dtype=ref.dtype)
-        dd.update({k: kwargs[k] for k in ('device', 'dtype') if kwargs.get(k) is not None})  # as timm's takes them
+        dd.update(given)
         if dd:
             self.patch_head.fc.to(**dd)
-        self.patch_head.train(self.training)  # a model in eval mode keeps its new head in eval mode, as timm's ResNet
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -379,13 +386,19 @@ class PatchHeadModel(nn.Module):
     @property
     def prune_intermediate_layers(self) -> Callable[..., Any]:
         """The backbone's ``prune_intermediate_layers``; when it drops the backbone's classifier, the patch head
-        drops its own too (``num_classes == 0`` for both)."""
+        drops its own too (``num_classes == 0`` for both); the patch head takes the width of the pruned feature
+        map, so a later ``reset_classifier`` builds both heads for it."""
         inner = self.backbone.prune_intermediate_layers
 
         def prune_intermediate_layers(*args, **kwargs):
             taken = inner(*args, **kwargs)
+            narrower = self.patch_head.num_features != self.backbone.num_features  # later stages dropped
+            self.patch_head.num_features = self.backbone.num_features
             if self.backbone.num_classes == 0 and self.patch_head.num_classes != 0:
                 self.patch_head.reset(0)
+            elif narrower and self.patch_head.num_classes != 0:  # a classifier of the old width cannot be kept
+                self.patch_head.reset(self.patch_head.num_classes)
+                self._follow_backbone()
             self._sync_layout()
             return taken
         return prune_intermediate_layers

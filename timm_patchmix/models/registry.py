@@ -363,6 +363,20 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
                                   f'{len(missing)} tensors {missing[:8]}, unexpected {len(unexpected)} tensors '
                                   f'{unexpected[:8]}')
         check_tensor_kinds(state, own, where, CheckpointError)
+        # (timm resamples a backbone's position embedding in that backbone's own filter, which the whole model's
+        # weights do not pass through: a tensor of another shape is named, with the way that works)
+        stems = _heads(model.pretrained_cfg.get('first_conv'))  # (timm adapts these to in_chans after the filter)
+        other = [k for k in state if k in own and not in_head(k) and tuple(state[k].shape) != tuple(own[k].shape)
+                 and not any(k.startswith(f'{c}.') for c in stems)]
+        if other:
+            k = other[0]
+            resize = (' and change the input size afterwards with model.set_input_size(...), which resamples it'
+                      if hasattr(model, 'set_input_size') else '')
+            raise CheckpointError(f'{where} does not fit {cfg.get("architecture")} as created: {k} is '
+                                  f'{list(state[k].shape)} in the file and {list(own[k].shape)} in the model'
+                                  f'{f" ({len(other)} tensors differ)" if len(other) > 1 else ""}; the weights were '
+                                  f'made with other model arguments (an input or patch size, say): create the model '
+                                  f'with those (its config.json model_args){resize}')
         return state
     try:
         load_pretrained(model, cfg, num_classes=model.num_classes, in_chans=in_chans, filter_fn=check,
