@@ -286,3 +286,16 @@ def test_own_weights_of_another_input_size_name_the_tensor_and_the_way_that_work
     m.set_input_size(img_size=96)
     logits, patches = m.train()(torch.randn(2, 3, 96, 96))
     assert logits.shape == (2, 4) and patches.shape == (2, 4, 4)
+
+
+@pytest.mark.parametrize('tag', sorted(PATCHHEAD_PRETRAINED))
+def test_a_tag_carries_the_class_names_of_its_folder(tag):
+    """A tag's pretrained_cfg had label_names None, though the same weights through local-dir: carry the class
+    names of the folder's config.json; the tag now carries them too."""
+    import json
+    with open(os.path.join(WEIGHTS_DIR, tag, 'config.json'), encoding='utf-8') as f:
+        names = json.load(f)['label_names']
+    assert len(names) == 10
+    by_tag = timm.create_model(tag, pretrained=True)
+    by_dir = timm.create_model('local-dir:' + os.path.join(WEIGHTS_DIR, tag), pretrained=True)
+    assert list(by_tag.pretrained_cfg['label_names']) == list(by_dir.pretrained_cfg['label_names']) == names

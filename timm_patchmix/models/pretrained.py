@@ -47,4 +47,21 @@ def pretrained_cfgs() -> Dict[str, Dict[str, Any]]:
         folder = os.path.join(WEIGHTS_DIR, full)
         out[full] = dict(fields, file=os.path.join(folder, 'model.safetensors'),
                          origin_url=os.path.join(folder, 'README.md'))
+        names = _label_names(os.path.join(folder, 'config.json'), fields['num_classes'])
+        if names:  # the class names, as a model from the same folder through local-dir: carries them
+            out[full]['label_names'] = names
     return out
+
+
+def _label_names(path: str, num_classes: int):
+    """The ``label_names`` of the weights folder's ``config.json`` (a tuple of ``num_classes`` strings), or None
+    where the file or the list is missing or malformed (a tag loads without names then, as before)."""
+    import json
+    try:
+        with open(path, encoding='utf-8') as f:
+            names = json.load(f).get('label_names')
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(names, list) and len(names) == num_classes and all(isinstance(n, str) for n in names):
+        return tuple(names)
+    return None
