@@ -1,6 +1,7 @@
 """Files the project reads get strict types and ranges, exports never delete their inputs, killed writes leave no
 temporaries, and the search's hall of fame and gene-score cache are exact."""
 import copy
+import hashlib
 import json
 import math
 import os
@@ -57,6 +58,8 @@ def tamper(src, dst, meta_fn=None, tensors_fn=None):
     md['timm_patchmix'] = json.dumps(meta)
     if 'timm_patchmix.sha256' in md:  # re-signed: a well-formed file whose values the checks must catch
         md['timm_patchmix.sha256'] = ckpt_digest(tensors)
+    if 'timm_patchmix.meta_sha256' in md:
+        md['timm_patchmix.meta_sha256'] = hashlib.sha256(md['timm_patchmix'].encode('utf-8')).hexdigest()
     save_file(tensors, dst, metadata=md)
     return dst
 
@@ -830,3 +833,28 @@ def test_a_bit_flipped_in_the_tensor_data_is_named_by_every_reader(tmp_path):
     _flip_a_value_byte(bundle)
     with pytest.raises(CheckpointError, match=r'bundle\.safetensors is corrupt'):
         load_bundle(bundle, 'search_state')
+
+
+def test_a_bit_flipped_in_the_metadata_is_named(tmp_path):
+    """The tensors' digest left the JSON metadata unchecked: one flipped bit of a digit in it (an epoch '7' that
+    reads '5', a learning rate) kept it valid JSON of another value, which loaded. Every file the project writes
+    now carries the SHA-256 of its metadata text too, which the readers check; a file without it (an earlier
+    version's, another writer's) loads as before."""
+    from timm_patchmix.checkpoint import load_weights
+    ckpt = make_checkpoint(str(tmp_path / 'w.safetensors'), epoch=7)
+    assert load_weights(ckpt)[1]['epoch'] == 7
+    data = bytearray(open(ckpt, 'rb').read())
+    at = bytes(data).index(b'\\"epoch\\": 7')  # the metadata is JSON text inside the header's JSON
+    data[at + len(b'\\"epoch\\": ')] ^= 0x02  # '7' -> '5': one bit
+    open(ckpt, 'wb').write(bytes(data))
+    with safe_open(ckpt, framework='pt') as f:
+        assert json.loads(f.metadata()['timm_patchmix'])['epoch'] == 5  # still valid, of another value
+    for read in (load_weights, hub.model_from_weights):
+        with pytest.raises(CheckpointError, match=r'w\.safetensors is corrupt: its metadata differ from what it '
+                                                  r'was written with'):
+            read(ckpt)
+    # a file without the metadata digest: not checked
+    with safe_open(ckpt, framework='pt') as f:
+        md = {k: v for k, v in f.metadata().items() if k != 'timm_patchmix.meta_sha256'}
+    save_file(load_file(ckpt), ckpt, metadata=md)
+    assert load_weights(ckpt)[1]['epoch'] == 5

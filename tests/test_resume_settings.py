@@ -132,6 +132,9 @@ def _rewrite_meta(path, edit):
     if 'timm_patchmix.sha256' in md:  # re-signed: a well-formed file whose values the checks must catch
         from timm_patchmix.checkpoint import tensors_digest
         md['timm_patchmix.sha256'] = tensors_digest(tensors)
+    if 'timm_patchmix.meta_sha256' in md:
+        import hashlib
+        md['timm_patchmix.meta_sha256'] = hashlib.sha256(md['timm_patchmix'].encode('utf-8')).hexdigest()
     save_file(tensors, path, metadata=md)
 
 

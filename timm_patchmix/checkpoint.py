@@ -31,6 +31,9 @@ _META_KEY = 'timm_patchmix'
 # the SHA-256 of a file's tensors (names, dtypes, shapes and bytes), beside its metadata: safetensors checks the
 # header and the sizes, not the bytes, so a damaged copy would otherwise load as other weights
 _DIGEST_KEY = 'timm_patchmix.sha256'
+# the SHA-256 of the metadata's JSON text as written: a flipped bit in a number of it (an epoch, a learning rate,
+# an RNG state) keeps it valid JSON of another value
+_META_DIGEST_KEY = 'timm_patchmix.meta_sha256'
 
 
 class CheckpointError(ValueError):
@@ -184,8 +187,13 @@ def tensors_digest(tensors: Dict[str, torch.Tensor]) -> str:
 def _write(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
     """``tensors`` and the JSON ``meta`` as one safetensors file, with the tensors' digest, atomically."""
     tensors = _contiguous(tensors)
-    md = {_META_KEY: json.dumps(meta), 'format': 'pt', _DIGEST_KEY: tensors_digest(tensors)}
+    text = json.dumps(meta)
+    md = {_META_KEY: text, 'format': 'pt', _DIGEST_KEY: tensors_digest(tensors), _META_DIGEST_KEY: _text_digest(text)}
     _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=md))
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode('utf-8')).hexdigest()
 
 
 def save_weights(path: str, state_dict: Dict[str, torch.Tensor], meta: Optional[Dict[str, Any]] = None) -> None:
@@ -245,6 +253,11 @@ def _read_header(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
         raise CheckpointError(f'{path} has corrupt metadata: {e}') from None
     if not isinstance(meta, dict):
         raise CheckpointError(f'{path}: the {_META_KEY} metadata must be a JSON object, got {type(meta).__name__}')
+    signed = md.get(_META_DIGEST_KEY)  # (none in a file of another writer or an earlier version: unchecked)
+    if isinstance(signed, str) and _text_digest(md.get(_META_KEY, '')) != signed:
+        raise CheckpointError(f'{path} is corrupt: its metadata differ from what it was written with (their SHA-256 '
+                              f'does not match the one in its header), a damaged copy or download; restore it from '
+                              f'where it came from')
     if meta.get('kind') is not None and not isinstance(meta['kind'], str):
         raise CheckpointError(f'{path}: metadata kind must be a string, got {meta["kind"]!r}')
     digest = md.get(_DIGEST_KEY)
