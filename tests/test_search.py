@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -182,6 +183,33 @@ def test_core_search_state_round_trip(tmp_path):
     other = Search(space, 4, tiny_scorer()[1], dataclasses.replace(ev, seed=3))
     with pytest.raises(SettingsChangedError, match="--seed: 2 before, 3 now"):
         other.load_state(str(tmp_path / 'state.safetensors'))
+
+
+@pytest.mark.parametrize('edit, message', [
+    (lambda t, m: t['pop.fitness'].__setitem__(0, 0.0), "an individual's recorded fitness 0.0 is not the mean"),
+    (lambda t, m: t['cache.scores'].__setitem__(slice(None), -5.0), 'is not the mean of its genes'),
+    (lambda t, m: t.update({k: v.flip(0).contiguous() for k, v in t.items() if k.startswith('hof.')}),
+     'hall of fame is not in order of fitness'),  # (each item with its own fitness: the order alone is wrong)
+    (lambda t, m: t.__setitem__('rng.torch', torch.zeros_like(t['rng.torch'])), 'RuntimeError('),
+])
+def test_a_state_whose_parts_disagree_is_refused(tmp_path, edit, message):
+    """A search state re-written with valid digests but parts that disagree (a fitness that is not its genes' cached
+    mean, a hall of fame out of order) resumed into a table whose best_fitness was not its best individual's; a
+    torch RNG state torch refuses ended in a traceback. Each is now a SearchError naming the file."""
+    from timm_patchmix.checkpoint import load_bundle, save_bundle
+    space, scorer = tiny_scorer()
+    ev = Evolution(population=6, generations=3, patience=0, seed=2)
+    first = Search(space, 4, scorer, ev)
+    first.run(generations=1)
+    path = str(tmp_path / 'state.safetensors')
+    first.save_state(path)
+    tensors, meta = load_bundle(path, 'search_state')
+    meta.pop('kind', None)
+    edit(tensors, meta)
+    save_bundle(path, tensors, meta, 'search_state')
+    with pytest.raises(SearchError, match=f'^{re.escape(path)} is (inconsistent|incomplete or corrupt): '
+                                          f'.*{re.escape(message)}'):
+        Search(space, 4, tiny_scorer()[1], ev, state_path=path).load_state()
 
 
 def test_core_search_checks_its_parts():

@@ -8,6 +8,7 @@ caller checkpoints (:meth:`Search.save_state`), reports progress or stops a run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import time
@@ -306,6 +307,25 @@ class Search:
             self.logbook = list(meta['logbook'])
             self.best_history = list(meta['best_history'])
             self.scorer.forward_images = int(meta['forward_images'])
-        except (KeyError, ValueError, TypeError) as e:
+            cached = [aggregate(self.scorer.lookup(*ind.genes(self.space.forced)))
+                      for ind in list(self.population) + list(self.hof.items) if ind.fitness.valid]
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:  # (RuntimeError: an RNG state torch refuses)
             raise SearchError(f'{where} is incomplete or corrupt: {e!r}; start the search afresh (without --resume, '
                               f'or in another --output)') from None
+        self._check_restored(where, cached)
+
+    def _check_restored(self, where: str, cached: List[float]) -> None:
+        """The restored fitnesses are those of the restored cache (``cached``: each individual's mean of its genes'
+        cached scores, exactly as :meth:`evaluate` made it) and the hall of fame is in order, best first; else
+        :class:`SearchError` (a state whose parts disagree, which its digests cannot tell)."""
+        valid = [ind for ind in list(self.population) + list(self.hof.items) if ind.fitness.valid]
+        for ind, want in zip(valid, cached):
+            got = ind.fitness.values[0]
+            if not (want == got or (math.isnan(want) and math.isnan(got))):
+                raise SearchError(f'{where} is inconsistent: an individual\'s recorded fitness {got!r} is not the '
+                                  f'mean of its genes\' cached scores ({want!r}); start the search afresh (without '
+                                  f'--resume, or in another --output)')
+        items = self.hof.items
+        if any(items[i + 1].fitness > items[i].fitness for i in range(len(items) - 1)):
+            raise SearchError(f'{where} is inconsistent: its hall of fame is not in order of fitness, best first; '
+                              f'start the search afresh (without --resume, or in another --output)')
