@@ -131,6 +131,9 @@ def test_guided_bad_labels_and_memory_size_raise_value_errors():
         with pytest.raises(ValueError, match='memory_size must be a positive int'):
             GuidedPatchMix(table, memory_size=size)
     assert GuidedPatchMix(table, memory_size=np.int64(3)).memory.size == 3  # numpy ints, as grid and num_classes
+    for call in (lambda: mixer(x, None), lambda: mixer.sample(None)):
+        with pytest.raises(ValueError, match='GuidedPatchMix needs class-index targets .* got None'):
+            call()
     with pytest.raises(MaskTableError, match=f'searched on another dataset \\(fingerprint {table.fingerprint}, '
                                              f'this run other\\)'):
         GuidedPatchMix(table, fingerprint='other')

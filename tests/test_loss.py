@@ -272,3 +272,19 @@ def test_targets_for_another_class_count_are_named(patch_head):
         PatchMixLoss()(out, packed6)
     _, packed5 = PatchMix(grid=4, num_classes=5)(torch.rand(4, 3, 8, 8), torch.arange(4))
     assert torch.isfinite(PatchMixLoss()(out, packed5))
+
+
+@pytest.mark.parametrize('kw', [dict(patch_loss=False), dict(bce=True, patch_loss=False), dict(bce=True),
+                                dict(image_loss=False)])
+def test_a_packed_target_of_another_class_count_and_the_same_width_is_refused_off_the_fast_path(kw):
+    """A 2x3 grid of 7 classes and 4 cells of 8 give the same packed width (3 + 2C + cells): off the one-pass path
+    (BCE, one of the two losses) such a target must be refused by its class count, not fail in torch's shape
+    arithmetic; and a target of three or more dims is named, not a TypeError."""
+    _, packed = PatchMix(grid=(2, 3), num_classes=7)(torch.rand(4, 3, 12, 12), torch.arange(4))
+    out = (torch.randn(4, 8), torch.randn(4, 4, 8))
+    with pytest.raises(ValueError, match='packed target holds 7 classes but the model has 8; mix with num_classes=8'):
+        PatchMixLoss(**kw)(out, packed)
+    for target in (torch.zeros(4, 3, 8), torch.zeros(4, 2, 8, 8)):
+        with pytest.raises(ValueError, match=re.escape(f'target of shape {list(target.shape)} is neither class '
+                                                       f'indices')):
+            PatchMixLoss(**kw)(out, target)

@@ -154,6 +154,23 @@ def test_a_file_overlay_is_read_by_what_it_holds_whatever_tags_the_architecture_
                               num_classes=7)
     assert all(torch.equal(under.backbone.state_dict()[k], v) for k, v in plain.state_dict().items()
                if not k.startswith('fc.'))  # (timm's rule: a class count other than the cfg's drops the head)
+    # beside a patchhead_ model's own cfg (which names its heads and stem as the whole model's): the backbone's
+    own_cfg = dict(same.pretrained_cfg, file=bpath, num_classes=7)
+    beside = timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg=own_cfg, num_classes=3)
+    assert all(torch.equal(beside.backbone.state_dict()[k], v) for k, v in plain.state_dict().items()
+               if not k.startswith('fc.')) and beside.num_classes == 3
+    # the file named through pretrained_cfg (a dict, a PretrainedCfg), or with the overlay naming the architecture
+    from timm.models import PretrainedCfg
+    for how in (dict(pretrained_cfg=dict(file=path)), dict(pretrained_cfg=PretrainedCfg(file=path)),
+                dict(pretrained_cfg_overlay=dict(file=path, architecture='patchhead_' + arch))):
+        got = timm.create_model('patchhead_' + arch, pretrained=True, **how)
+        assert same_weights(got, src) and got.num_classes == 7, how
+        assert got.pretrained_cfg.get('label_names') is None  # not a shipped tag's class names
+    # the heads of another class count than the model asks for (not fine-tuning): named as the heads
+    with pytest.raises(CheckpointError, match=r'backbone\.fc\.bias is \[7\] in the file and \[10\] in the model '
+                                              r'\(4 tensors differ\); the classifier heads differ'):
+        timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=path, num_classes=10),
+                          num_classes=10)
     # the project's weights file of a whole model: its digest is checked on this path too
     signed = str(tmp_path / 'signed.safetensors')
     save_weights(signed, src.state_dict())

@@ -209,6 +209,8 @@ class GuidedPatchMix:
         return PatchMixParams(partner, mask), guided, extra
 
     def _check_labels(self, labels) -> torch.Tensor:
+        if labels is None:
+            raise ValueError('GuidedPatchMix needs class-index targets [B] to find partners by class, got None')
         if not isinstance(labels, torch.Tensor):  # a list or numpy array of class indices, as PatchMix takes
             labels = torch.as_tensor(labels)
         if labels.ndim != 1:
@@ -225,6 +227,8 @@ class GuidedPatchMix:
         """Mix ``x [B, C, H, W]`` with class-index ``target [B]`` in place, as ``PatchMix`` does; returns
         ``(x, packed_target)``. ``fresh`` is :meth:`PatchMix.apply`'s."""
         self.mixer._check_image(x)
+        if target is None:
+            self._check_labels(target)  # (names it)
         if not isinstance(target, torch.Tensor):  # a list or numpy array of class indices, as PatchMix takes
             target = torch.as_tensor(target)
         if target.ndim == 1 and target.shape[0] != x.shape[0]:

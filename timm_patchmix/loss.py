@@ -170,8 +170,10 @@ class PatchMixLoss(nn.Module):
             image_t, patch_t = target.float(), None
         else:
             ncell = patch_logits.shape[1] if patch_logits is not None else None
-            k = _packed_classes(target)
-            if not (is_packed_target(target, c, ncell) if ncell is not None else k == c):
+            fits = ncell is not None and is_packed_target(target, c, ncell)
+            # (the header is read only where the width alone does not settle it; split_target reads it anyway)
+            k = None if fits or target.ndim != 2 else _packed_classes(target)
+            if not (fits or (ncell is None and k == c)):
                 if k is not None and k != c:
                     raise ValueError(f'packed target holds {k} classes but the model has {c}; mix with '
                                      f'num_classes={c}')
@@ -183,6 +185,9 @@ class PatchMixLoss(nn.Module):
                                  f'soft target for the model\'s {c} classes, nor a packed target for {c} classes'
                                  f'{cells}; make the targets for num_classes={c}')
             image_t, patch_t = split_target(target, self.grid)  # (a given grid is checked on plain logits too)
+            if image_t.shape[1] != c:  # a packed target of another grid and class count but the same width
+                raise ValueError(f'packed target holds {image_t.shape[1]} classes but the model has {c}; mix with '
+                                 f'num_classes={c}')
 
         if not use_patch:
             return self._rows(logits, image_t).mean()

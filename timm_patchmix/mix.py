@@ -177,7 +177,7 @@ def _unpack(packed: torch.Tensor, grid: Optional[GridSpec] = None):
             raise ValueError('cannot read the grid of an empty packed target; pass grid')
         rows, cols = to_grid(grid)
     else:
-        rows, cols = int(packed[0, 0]), int(packed[0, 1])
+        rows, cols = (int(v) for v in packed[0, :2].tolist())  # one read of the header (a sync on a device)
         if grid is not None and to_grid(grid) != (rows, cols):
             g = to_grid(grid)
             raise ValueError(f'packed target was built for a {rows}x{cols} grid, not {g[0]}x{g[1]}')

@@ -200,6 +200,20 @@ def _named_file(pretrained_cfg, overlay) -> Optional[str]:
     return cfg.get('file') or cfg.get('url') or None
 
 
+# the pretrained cfg fields that name a tag's own weights rather than how to feed the model (left out when a file
+# of the caller's is read instead)
+_WEIGHTS_IDENTITY = ('tag', 'label_names', 'label_descriptions', 'origin_url', 'license', 'hf_hub_id',
+                     'hf_hub_filename', 'url', 'notes', 'paper_ids', 'paper_name', 'description', 'source',
+                     'state_dict')
+
+
+def _cfg_dict(pretrained_cfg) -> Dict[str, Any]:
+    """A caller's pretrained cfg as a dict (a tag name or None: none)."""
+    if isinstance(pretrained_cfg, PretrainedCfg):
+        return pretrained_cfg.to_dict()
+    return dict(pretrained_cfg) if isinstance(pretrained_cfg, dict) else {}
+
+
 def _named_file_kind(pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
     """For a local ``.safetensors`` file a caller names (``pretrained_cfg_overlay=dict(file=...)``) that holds a
     whole ``patchhead_`` model, every tensor under ``backbone.`` or ``patch_head.`` (a ``model.state_dict()`` of
@@ -265,15 +279,20 @@ def _entrypoint(arch: str):
         if pretrained and (own is None or own.get('source') not in ('hf-hub', 'local-dir')) \
                 and _named_file(pretrained_cfg, pretrained_cfg_overlay):
             kind = _named_file_kind(pretrained_cfg, pretrained_cfg_overlay)
+            overlay = dict(pretrained_cfg_overlay or {})
             if kind is not None and kind['whole']:  # the file holds the whole model: read as its own weights
-                cfg = dict(own or {}, **(pretrained_cfg_overlay or {}), architecture=name)
-                if 'num_classes' not in (pretrained_cfg_overlay or {}):  # the file's, not a tag's
-                    cfg['num_classes'] = kind['num_classes']
-                own = cfg
-            elif kind is not None and own is not None:  # a backbone's file named beside this model's own tag
-                own = None
-                pretrained_cfg = None if isinstance(pretrained_cfg, str) else pretrained_cfg
-                tag = None
+                # a tag's data config stays, not what names the tag's own weights (their classes, source, card)
+                base = own if own is not None else _cfg_dict(pretrained_cfg)
+                own = {k: v for k, v in base.items() if k not in _WEIGHTS_IDENTITY}
+                own.update(overlay, architecture=name)
+                if 'num_classes' not in overlay and not (isinstance(pretrained_cfg, dict)
+                                                         and 'num_classes' in pretrained_cfg):
+                    own['num_classes'] = kind['num_classes']  # the file's, not a tag's or the architecture's
+            elif kind is not None and own is not None:  # a backbone's file beside this model's own cfg or tag
+                overlay = {k: v for k, v in overlay.items() if k not in ('architecture', 'classifier', 'first_conv')}
+                overlay['file'] = _named_file(pretrained_cfg, pretrained_cfg_overlay)
+                own = tag = None  # (the cfg names this model's heads and stem: the backbone takes its own)
+                pretrained_cfg, pretrained_cfg_overlay = None, overlay
         if own is None and pretrained and tag is None and not isinstance(pretrained_cfg, (dict, PretrainedCfg)) \
                 and not any((pretrained_cfg_overlay or {}).get(k) for k in _SOURCES):
             raise _no_weights(name, arch)
@@ -370,13 +389,19 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
                  and not any(k.startswith(f'{c}.') for c in stems)]
         if other:
             k = other[0]
-            resize = (' and change the input size afterwards with model.set_input_size(...), which resamples it'
-                      if hasattr(model, 'set_input_size') else '')
+            trunk = [n for n in other if not any(n.startswith(h + '.') for h in heads)]
+            if trunk:
+                k = trunk[0]
+                resize = (' and change the input size afterwards with model.set_input_size(...), which resamples '
+                          'it' if hasattr(model, 'set_input_size') else '')
+                fix = (f'the weights were made with other model arguments (an input or patch size, say): create the '
+                       f'model with those (its config.json model_args){resize}')
+            else:  # the classifier heads alone: another class count, or a per-position head for a shared one
+                fix = ("the classifier heads differ: create the model with the file's head (its num_classes, and "
+                       'per_position as it was trained), or with another num_classes for both heads to start fresh')
             raise CheckpointError(f'{where} does not fit {cfg.get("architecture")} as created: {k} is '
                                   f'{list(state[k].shape)} in the file and {list(own[k].shape)} in the model'
-                                  f'{f" ({len(other)} tensors differ)" if len(other) > 1 else ""}; the weights were '
-                                  f'made with other model arguments (an input or patch size, say): create the model '
-                                  f'with those (its config.json model_args){resize}')
+                                  f'{f" ({len(other)} tensors differ)" if len(other) > 1 else ""}; {fix}')
         return state
     try:
         load_pretrained(model, cfg, num_classes=model.num_classes, in_chans=in_chans, filter_fn=check,
