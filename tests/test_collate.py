@@ -138,3 +138,13 @@ def test_guided_collate_does_not_draw_params_apart_from_the_batch():
     images, packed = col(batch)  # no guided or random share: every sample clean
     clean, _ = FastCollatePatchMix(grid=(4, 3), num_classes=7, prob=0.0)(batch)
     assert torch.equal(images, clean)
+
+
+def test_labels_that_are_no_class_indices_are_named():
+    """String or None labels ended in torch's 'too many dimensions' or dtype errors that name no label."""
+    batch, _, _ = make_batch(3)
+    for bad in ('cat', None):
+        labelled = [(img, bad if i == 1 else y) for i, (img, y) in enumerate(batch)]
+        with pytest.raises(ValueError, match=f'collate expects class-index labels, got {type(bad).__name__} '
+                                             f'{bad!r} at index 1'):
+            FastCollatePatchMix(num_classes=7)(labelled)

@@ -266,6 +266,8 @@ def test_packed_target_stays_on_device_of_x():
                        PatchMixParams(torch.tensor([0, 1]), torch.ones(2, 2, 2, dtype=torch.bool))), '2x2 grid'),
     (lambda m: m.apply(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]),
                        PatchMixParams(torch.tensor([0, 2]), torch.ones(2, 4, 4, dtype=torch.bool))), 'outside'),
+    (lambda m: m.apply(torch.rand(2, 3, 8, 8), torch.tensor([0, 1]),
+                       PatchMixParams([1, 0], torch.ones(2, 4, 4, dtype=torch.bool))), 'params.partner must be a tensor'),
     # (a None target was torch's 'Could not infer dtype of NoneType'; an image batch in [B, H, W, C] got no hint)
     (lambda m: m(torch.rand(2, 3, 8, 8), None), 'target must be class indices .* got None'),
     (lambda m: m(torch.rand(2, 32, 32, 3), torch.tensor([0, 1])),

@@ -85,7 +85,11 @@ class FastCollatePatchMix(FastCollateMixup):
             out = torch.from_numpy(np.empty((len(batch), *shape), dtype=np.uint8))
             for i, t in enumerate(images):
                 out[i].copy_(t)
-        target = default_collate([b[1] for b in batch])
+        labels = [b[1] for b in batch]
+        for i, y in enumerate(labels):
+            if isinstance(y, (str, bytes)) or y is None:  # (torch's own words for these name no label)
+                raise ValueError(f'collate expects class-index labels, got {type(y).__name__} {y!r} at index {i}')
+        target = default_collate(labels)
         if not isinstance(target, torch.Tensor):
             target = torch.as_tensor(target)
         return out, target

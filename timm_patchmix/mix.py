@@ -64,6 +64,9 @@ class PatchMixParams:
         """Raise ``ValueError`` unless these params describe a batch of ``batch_size`` whose partners index
         ``num_sources`` images (default: the batch itself)."""
         n = batch_size if num_sources is None else num_sources
+        for name in ('partner', 'mask'):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ValueError(f'params.{name} must be a tensor, got {type(getattr(self, name)).__name__}')
         if self.partner.ndim != 1 or self.partner.shape[0] != batch_size:
             raise ValueError(f'params.partner must have shape [{batch_size}], got {list(self.partner.shape)}')
         if self.partner.dtype != torch.long:
