@@ -317,3 +317,27 @@ def test_a_file_in_the_way_of_the_run_folder_and_a_folder_to_resume_are_named(tm
     os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
     with pytest.raises(TrainSetupError, match=f'{tmp_path}/dangling is a link to nothing; give another'):
         train(TrainConfig(output=str(tmp_path), experiment='dangling', **TINY))
+
+
+def test_best_top1_is_the_best_epochs_whatever_the_metric():
+    """TrainResult.best_top1 was the highest top-1 over the epochs, while best_path holds the epoch --eval-metric
+    chose: with top5 or loss those are other epochs, and the number did not belong to the weights beside it. It is
+    now the chosen epoch's top-1 (the same number for the default top1 metric)."""
+    from timm_patchmix.engine.run import _result
+    rows = [{'epoch': 0, 'eval_top1': 14.0625, 'eval_top5': 60.9375},
+            {'epoch': 1, 'eval_top1': 23.4375, 'eval_top5': 56.25}]
+    cfg = TrainConfig(eval_metric='top5')
+    res = _result(cfg, '/nowhere', rows, {'score': 60.9375, 'epoch': 0, 'metric': 'top5'}, None)
+    assert res.best_top1 == 14.0625 and res.final_top1 == 23.4375
+    res = _result(TrainConfig(), '/nowhere', rows, {'score': 23.4375, 'epoch': 1, 'metric': 'top1'}, None)
+    assert res.best_top1 == 23.4375  # the default metric: the highest top-1, as before
+    assert _result(TrainConfig(), '/nowhere', [], None, None).best_top1 is None
+
+
+def test_an_unknown_torchcompile_backend_is_a_usage_error():
+    """A backend torch does not know was named by torch only when the first batch was traced, in a traceback after
+    the data and model were built; it is a ConfigError naming the flag now, and a known one is taken."""
+    with pytest.raises(ConfigError, match=r"argument --torchcompile: 'nonexistent_backend' is not a torch\.compile "
+                                          r"backend here; one of .*inductor"):
+        TrainConfig(torchcompile='nonexistent_backend')
+    assert TrainConfig(torchcompile='aot_eager').torchcompile == 'aot_eager'

@@ -384,6 +384,13 @@ class TrainConfig:
         self._check_values()
         for name in CHOICES:
             _check_choice(name, getattr(self, name))
+        if self.torchcompile is not None:  # torch names a bad backend only when the first batch is traced
+            import torch.compiler
+            known = torch.compiler.list_backends(exclude_tags=())
+            if self.torchcompile not in known:
+                raise ConfigError(f'{self.torchcompile!r} is not a torch.compile backend here; one of '
+                                  f'{", ".join(torch.compiler.list_backends())} (or a debug one such as aot_eager)',
+                                  '--torchcompile')
         if self.test_subset is not None and not self.holdout:
             raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
                               'epoch is evaluated on --val-split, which --val-subset caps')

@@ -30,7 +30,8 @@ METRIC_KEYS = {'top1': 'eval_top1', 'top5': 'eval_top5', 'loss': 'eval_loss'}
 @dataclass(frozen=True)
 class TrainResult:
     """A finished run: its resolved config, its folder and files, the per-epoch rows (as in ``summary.csv``), the
-    best epoch by ``--eval-metric`` and the final and best top-1 on the split the epochs were evaluated on (the
+    best epoch by ``--eval-metric`` and the top-1 of the final epoch and of that best epoch (``best_top1``: the
+    weights in ``best_path``, whichever metric chose them) on the split the epochs were evaluated on (the
     held-out images with ``--holdout``); ``fgsm`` with ``--fgsm``.
 
     With ``--holdout``, ``test`` holds the test split's numbers (``--val-split``, evaluated once at the end):
@@ -582,7 +583,10 @@ def _fgsm(cfg: TrainConfig, model, data: Datasets, rt: Runtime, out_dir: str) ->
 
 def _result(cfg: TrainConfig, out_dir: str, rows, best, fgsm, test=None, splits=None) -> TrainResult:
     top1 = [float(r['eval_top1']) for r in rows]
+    # the best epoch's top-1 (the weights in best.safetensors), which --eval-metric top5 or loss picks by another
+    # number than top-1; the highest top-1 over the epochs where no epoch was chosen
+    chosen = [float(r['eval_top1']) for r in rows if best is not None and r['epoch'] == best['epoch']]
     return TrainResult(cfg, out_dir, os.path.join(out_dir, 'best.safetensors'),
                        os.path.join(out_dir, 'last.safetensors'), os.path.join(out_dir, 'state.safetensors'),
                        os.path.join(out_dir, 'summary.csv'), tuple(rows), best, top1[-1] if top1 else None,
-                       max(top1) if top1 else None, fgsm, test, splits)
+                       chosen[0] if chosen else (max(top1) if top1 else None), fgsm, test, splits)
