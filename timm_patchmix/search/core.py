@@ -307,20 +307,18 @@ class Search:
             self.logbook = list(meta['logbook'])
             self.best_history = list(meta['best_history'])
             self.scorer.forward_images = int(meta['forward_images'])
-            cached = [aggregate(self.scorer.lookup(*ind.genes(self.space.forced)))
+            cached = [(ind.fitness.values[0], aggregate(self.scorer.lookup(*ind.genes(self.space.forced))))
                       for ind in list(self.population) + list(self.hof.items) if ind.fitness.valid]
         except (KeyError, ValueError, TypeError, RuntimeError) as e:  # (RuntimeError: an RNG state torch refuses)
             raise SearchError(f'{where} is incomplete or corrupt: {e!r}; start the search afresh (without --resume, '
                               f'or in another --output)') from None
         self._check_restored(where, cached)
 
-    def _check_restored(self, where: str, cached: List[float]) -> None:
-        """The restored fitnesses are those of the restored cache (``cached``: each individual's mean of its genes'
-        cached scores, exactly as :meth:`evaluate` made it) and the hall of fame is in order, best first; else
-        :class:`SearchError` (a state whose parts disagree, which its digests cannot tell)."""
-        valid = [ind for ind in list(self.population) + list(self.hof.items) if ind.fitness.valid]
-        for ind, want in zip(valid, cached):
-            got = ind.fitness.values[0]
+    def _check_restored(self, where: str, cached: List[Tuple[float, float]]) -> None:
+        """The restored fitnesses are those of the restored cache (``cached``: each individual's recorded fitness
+        and the mean of its genes' cached scores, as :meth:`evaluate` makes it) and the hall of fame is in order,
+        best first; else :class:`SearchError` (a state whose parts disagree, which its digests cannot tell)."""
+        for got, want in cached:
             if not (want == got or (math.isnan(want) and math.isnan(got))):
                 raise SearchError(f'{where} is inconsistent: an individual\'s recorded fitness {got!r} is not the '
                                   f'mean of its genes\' cached scores ({want!r}); start the search afresh (without '
