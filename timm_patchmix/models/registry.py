@@ -214,8 +214,8 @@ def _cfg_dict(pretrained_cfg) -> Dict[str, Any]:
     return dict(pretrained_cfg) if isinstance(pretrained_cfg, dict) else {}
 
 
-def _named_file_kind(pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
-    """For a local ``.safetensors`` file a caller names (``pretrained_cfg_overlay=dict(file=...)``) that holds a
+def _named_file_kind(named: str) -> Optional[Dict[str, Any]]:
+    """For the local ``.safetensors`` file ``named`` a caller names (:func:`_named_file`) that holds a
     whole ``patchhead_`` model, every tensor under ``backbone.`` or ``patch_head.`` (a ``model.state_dict()`` of
     one, or the project's weights): ``{'whole': True, 'num_classes': the file's class count}``; for one that holds
     other tensors (a plain backbone's weights): ``{'whole': False}``; None for a URL, or a file that cannot be read
@@ -224,8 +224,7 @@ def _named_file_kind(pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
     The file's tensor names decide whether it is read as the whole model's or the backbone's, whatever tags the
     architecture has: timm would give a whole model's file to the backbone, which, under another class count,
     loads it non-strictly, that is not at all, with a logged warning only."""
-    named = _named_file(pretrained_cfg, overlay)
-    if not named or not str(named).endswith('.safetensors') or not os.path.isfile(named):
+    if not str(named).endswith('.safetensors') or not os.path.isfile(named):
         return None
     try:
         from safetensors import safe_open
@@ -276,9 +275,9 @@ def _entrypoint(arch: str):
         if tag is not None and f'{name}.{tag}' not in PATCHHEAD_PRETRAINED and tag not in _backbone_tags(arch):
             raise _no_weights(name, arch, tag)
         own = _own_cfg(name, pretrained_cfg, pretrained_cfg_overlay)
-        if pretrained and (own is None or own.get('source') not in ('hf-hub', 'local-dir')) \
-                and _named_file(pretrained_cfg, pretrained_cfg_overlay):
-            kind = _named_file_kind(pretrained_cfg, pretrained_cfg_overlay)
+        named = _named_file(pretrained_cfg, pretrained_cfg_overlay)
+        if pretrained and named and (own is None or own.get('source') not in ('hf-hub', 'local-dir')):
+            kind = _named_file_kind(named)
             overlay = dict(pretrained_cfg_overlay or {})
             if kind is not None and kind['whole']:  # the file holds the whole model: read as its own weights
                 # a tag's data config stays, not what names the tag's own weights (their classes, source, card)
@@ -290,7 +289,7 @@ def _entrypoint(arch: str):
                     own['num_classes'] = kind['num_classes']  # the file's, not a tag's or the architecture's
             elif kind is not None and own is not None:  # a backbone's file beside this model's own cfg or tag
                 overlay = {k: v for k, v in overlay.items() if k not in ('architecture', 'classifier', 'first_conv')}
-                overlay['file'] = _named_file(pretrained_cfg, pretrained_cfg_overlay)
+                overlay['file'] = named
                 own = tag = None  # (the cfg names this model's heads and stem: the backbone takes its own)
                 pretrained_cfg, pretrained_cfg_overlay = None, overlay
         if own is None and pretrained and tag is None and not isinstance(pretrained_cfg, (dict, PretrainedCfg)) \
@@ -372,7 +371,10 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
             check_file_digest(path, state, 'delete the file (a Hub download: `hf cache delete`, or remove it under '
                                            'HF_HUB_CACHE) and fetch it again')
         own = model.state_dict()
-        in_head = (lambda k: any(k.startswith(h + '.') for h in heads)) if fresh else (lambda k: False)
+
+        def is_head(k: str) -> bool:
+            return any(k.startswith(h + '.') for h in heads)
+        in_head = is_head if fresh else (lambda k: False)  # the heads that may be absent
         missing = [k for k in own if k not in state and not in_head(k)]
         unexpected = [k for k in state if k not in own and not in_head(k)]
         if missing or unexpected:
@@ -389,7 +391,7 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
                  and not any(k.startswith(f'{c}.') for c in stems)]
         if other:
             k = other[0]
-            trunk = [n for n in other if not any(n.startswith(h + '.') for h in heads)]
+            trunk = [n for n in other if not is_head(n)]
             if trunk:
                 k = trunk[0]
                 resize = (' and change the input size afterwards with model.set_input_size(...), which resamples '
