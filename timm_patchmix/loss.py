@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .grid import GridSpec, to_grid
-from .mix import _HEADER, _number, is_packed_target, soft_target, split_target
+from .mix import _HEADER, _number, _packed_class_count, is_packed_target, soft_target, split_target
 
 __all__ = ['PatchMixLoss', 'packed_loss', 'soft_cross_entropy', 'binary_cross_entropy']
 
@@ -209,10 +209,7 @@ def _packed_classes(target: torch.Tensor) -> Optional[int]:
     leaves for the two class blocks, halved; None when the header and width make no packed target (reads the
     header: a sync on an accelerator, as splitting the target does anyway)."""
     rows, cols = (int(v) for v in target[0, :2].tolist()) if target.shape[1] >= 2 else (0, 0)
-    width = target.shape[1] - _HEADER - rows * cols
-    if rows < 1 or cols < 1 or width < 2 or width % 2:
-        return None
-    return width // 2
+    return _packed_class_count(target.shape[1], rows, cols)
 
 
 def packed_loss(logits: torch.Tensor, patch_logits: torch.Tensor, packed: torch.Tensor,

@@ -171,6 +171,13 @@ def _header(rows: int, cols: int, device: torch.device) -> torch.Tensor:
         return (torch.arange(2, dtype=torch.float32, device=device) * (cols - rows) + rows).view(1, 2)
 
 
+def _packed_class_count(width: int, rows: int, cols: int) -> Optional[int]:
+    """The class count a packed target ``width`` columns wide holds under a ``rows x cols`` header (the header, the
+    two class blocks, one column per cell); None where no class count fits."""
+    rest = width - _HEADER - rows * cols
+    return rest // 2 if rows >= 1 and cols >= 1 and rest >= 2 and rest % 2 == 0 else None
+
+
 def _unpack(packed: torch.Tensor, grid: Optional[GridSpec] = None):
     if not isinstance(packed, torch.Tensor) or packed.ndim != 2 or packed.shape[1] < _HEADER + 3:
         shape = list(packed.shape) if isinstance(packed, torch.Tensor) else type(packed).__name__
@@ -184,12 +191,10 @@ def _unpack(packed: torch.Tensor, grid: Optional[GridSpec] = None):
         if grid is not None and to_grid(grid) != (rows, cols):
             g = to_grid(grid)
             raise ValueError(f'packed target was built for a {rows}x{cols} grid, not {g[0]}x{g[1]}')
-    ncell = rows * cols
-    width = packed.shape[1] - _HEADER - ncell
-    if rows < 1 or cols < 1 or width < 2 or width % 2:
+    c = _packed_class_count(packed.shape[1], rows, cols)
+    if c is None:
         raise ValueError(f'tensor of shape {list(packed.shape)} is not a packed PatchMix target '
                          f'(header says grid {rows}x{cols})')
-    c = width // 2
     packed = packed.float()
     lam = packed[:, 2:3]
     y_self = packed[:, _HEADER:_HEADER + c]
