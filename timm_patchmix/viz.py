@@ -39,13 +39,6 @@ def _pyplot():
     return plt
 
 
-def _score_words(score: str) -> Tuple[str, str]:
-    """What a gene score is, and which way is harder."""
-    what = 'patch accuracy' if score == 'accuracy' else 'patch cross-entropy'
-    harder = 'lower' if score == 'accuracy' else 'higher'
-    return what, harder
-
-
 # --- the search ------------------------------------------------------------------------------------------------
 def plot_fitness(logbook: List[Dict[str, Any]], path: str, direction: str, score: str = 'accuracy') -> None:
     """Best and mean fitness per generation (the paper's Figure 5)."""
@@ -55,7 +48,8 @@ def plot_fitness(logbook: List[Dict[str, Any]], path: str, direction: str, score
     ax.plot(gens, [r['hof_best'] for r in logbook], label='best (hall of fame)')
     ax.plot(gens, [r['mean'] for r in logbook], label='population mean')
     ax.set_xlabel('generation')
-    what, _ = _score_words(score)
+    from .search.config import score_words
+    what, _ = score_words(score)
     ax.set_ylabel(f'fitness: {what} of f_T (' + ('lower' if direction == 'min' else 'higher') + ' is selected)')
     ax.set_title('Search fitness per generation')
     ax.legend()
@@ -80,7 +74,8 @@ def plot_pairs(table, path: str, max_pairs: int = 40) -> None:
     names = table.class_names or [str(i) for i in range(table.num_classes)]
     args = table.search_args or {}
     direction, score = args.get('fitness', 'min'), args.get('score', 'accuracy')
-    what, harder = _score_words(score)
+    from .search.config import kept_genes, score_words
+    what, harder = score_words(score)
     for a in axes.flat[n:]:
         a.axis('off')
     for k in range(n):
@@ -95,7 +90,6 @@ def plot_pairs(table, path: str, max_pairs: int = 40) -> None:
         a.set_yticks([])
         a.set_title(f'{names[i][:10]}\n+ {names[j][:10]}', fontsize=7)
         a.set_xlabel(f'{table.scores[k]:.3f}', fontsize=7)
-    from .search.config import kept_genes
     order = kept_genes(direction, score)
     shown = f'{n} of {len(table.pairs)}' if n < len(table.pairs) else f'{n}'
     fig.suptitle(f'Searched class pairs and masks ({shown} pairs, {order} first; grid {table.grid[0]}x'

@@ -59,6 +59,12 @@ def _choice(name: str, value: Any, choices: Tuple[str, ...]) -> None:
         raise ValueError(f'{name} must be one of {", ".join(map(repr, choices))}, got {value!r}')
 
 
+def score_words(score: str) -> Tuple[str, str]:
+    """What a gene score is, and which way is harder: ``('patch accuracy', 'lower')`` or
+    ``('patch cross-entropy', 'higher')``."""
+    return ('patch accuracy', 'lower') if score == 'accuracy' else ('patch cross-entropy', 'higher')
+
+
 def kept_genes(fitness: str, score: str) -> str:
     """Which genes a search with ``fitness`` and ``score`` keeps: ``'hardest'`` or ``'easiest'``. ``'min'`` keeps
     the lowest scores, ``'max'`` the highest; a lower patch accuracy is harder (the paper's fitness: ``'min'``

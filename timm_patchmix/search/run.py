@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..locking import hold_folder
-from .config import SearchConfig, SearchResult, kept_genes
+from .config import SearchConfig, SearchResult, kept_genes, score_words
 from .core import GenerationCallback, Search, SearchError
 from .inputs import SearchUsageError
 
@@ -59,9 +59,9 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
                   f'{cfg.fitness} {cfg.score}, scored on {_scored_on(s.record)}', flush=True)
             if kept_genes(cfg.fitness, cfg.score) == 'easiest':
                 other, end = ('max', 'lowest') if cfg.fitness == 'min' else ('min', 'highest')
-                what = 'patch accuracy' if cfg.score == 'accuracy' else 'patch cross-entropy'
                 print(f'note: --fitness {cfg.fitness} with --score {cfg.score} keeps the easiest genes (the {end} '
-                      f'{what}); --fitness {other} keeps the hardest', file=sys.stderr, flush=True)
+                      f'{score_words(cfg.score)[0]}); --fitness {other} keeps the hardest', file=sys.stderr,
+                      flush=True)
         bar = tqdm(total=cfg.generations, initial=s.gen, desc='search', unit='gen',
                    disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
 
