@@ -79,6 +79,9 @@ def test_an_lr_from_timms_rule_or_the_recipe_is_set_again_by_it(tmp_path, caplog
         alone = scaled_lr(parse_config(TINY + flags))
         assert scaled_lr(parse_config(['-c', recipe_yaml] + flags)) == pytest.approx(alone), flags
     assert scaled_lr(parse_config(['-c', recipe_yaml, '--lr-base', '0.4'])) == pytest.approx(0.025)
+    # the timm recipe has no lr of its own: timm's rule sets it, and the record says so
+    assert [parse_config(['--recipe', r]).lr_source for r in ('timm', 'demo', 'paper-cifar')] == \
+        ['rule', 'recipe', 'recipe']
     given = main(TINY + ['--lr', '0.07', '--output', str(tmp_path), '--experiment', 'given'])
     with open(os.path.join(given['output'], 'args.yaml')) as f:
         assert yaml.safe_load(f)['lr_source'] == 'flag'

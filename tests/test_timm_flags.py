@@ -276,11 +276,37 @@ def test_lr_noise_is_bounded_seeded_and_only_where_asked():
     (['--lr-noise', '0.8', '0.2'], 'START < END, got [0.8, 0.2]: this range adds noise to no epoch'),
     (['--sched', 'multistep', '--decay-milestones', '3', '1'],
      'milestones must be epochs in increasing order, got [3, 1]'),
+    # rsqrt: the default --decay-epochs 90 longer than the run, and no warmup to take its timescale from (timm's
+    # factory raised these once the data and the model were built)
+    (['--sched', 'rsqrt', '--epochs', '20', '--warmup-epochs', '2'],
+     '--decay-epochs (90) of the 18 epochs after the warmup'),
+    (['--sched', 'rsqrt', '--epochs', '20', '--warmup-epochs', '2', '--decay-epochs', '21', '--warmup-prefix'],
+     '--decay-epochs (21) of the 20 epochs after the warmup'),
+    (['--sched', 'rsqrt', '--epochs', '300', '--warmup-epochs', '0'], 'give --warmup-epochs of 1 or more'),
 ])
 def test_bad_scheduler_options_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         train_cli.resolve_args(flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('flags', [['--decay-epochs', '18'], ['--decay-epochs', '0.25'],
+                                   ['--decay-epochs', '20', '--warmup-prefix']])
+def test_rsqrt_that_fits_runs_timms_schedule(flags):
+    """The rsqrt runs the check lets through are timm's own schedule, epoch by epoch."""
+    from timm.scheduler import create_scheduler_v2
+    argv = ['--sched', 'rsqrt', '--epochs', '20', '--warmup-epochs', '2'] + flags
+    lrs, epochs = _epoch_lrs(argv, 20)  # (lr 0.1, warmup from 0.01, min 0)
+    peer = torch.optim.SGD(_model().parameters(), lr=0.1)
+    theirs, their_epochs = create_scheduler_v2(peer, sched='rsqrt', num_epochs=20, warmup_epochs=2, warmup_lr=0.01,
+                                               decay_epochs=float(flags[1]), warmup_prefix='--warmup-prefix' in flags,
+                                               min_lr=0.0)
+    expected = []
+    for e in range(20):
+        expected.append(peer.param_groups[0]['lr'])
+        theirs.step(e + 1)
+    assert epochs == their_epochs and lrs == pytest.approx(expected, rel=1e-12)
+    assert lrs[1] < lrs[2] and lrs[5] < lrs[3]  # a warmup, then the falling lr
 
 
 def test_a_cycled_run_trains_every_cycle(tmp_path):

@@ -407,6 +407,8 @@ class TrainConfig:
         if self.cutmix_minmax is not None and self.cutmix_minmax[0] > self.cutmix_minmax[1]:
             raise ConfigError(f'MIN {self.cutmix_minmax[0]:g} is above MAX {self.cutmix_minmax[1]:g}',
                               '--cutmix-minmax')
+        if self.sched == 'rsqrt':
+            self._check_rsqrt()
         ms = list(self.decay_milestones or ())
         if any(b < a for a, b in zip(ms, ms[1:])):  # timm's multistep bisects them: out of order, they misfire
             raise ConfigError(f'milestones must be epochs in increasing order, got {ms}', '--decay-milestones')
@@ -492,6 +494,23 @@ class TrainConfig:
                              f'{"it changes" if one else "they change"} nothing ({remedy} to use '
                              f'{"it" if one else "them"})')
         return lines
+
+    def _check_rsqrt(self) -> None:
+        """timm's rsqrt schedule: an lr falling as 1/sqrt(t / warmup) after the warmup, then a linear decay over the
+        last ``--decay-epochs`` (a value below 1: that fraction) of the epochs after the warmup (or of all epochs with
+        ``--warmup-prefix``). Its timescale is the warmup (train.py offers no ``--lr-stable-timescale``), and the
+        decay must fit: said here, before any work, rather than by timm's factory once the data is loaded."""
+        if self.warmup_epochs is not None and self.warmup_epochs <= 0:
+            raise ConfigError('--sched rsqrt takes its timescale from the warmup: give --warmup-epochs of 1 or more',
+                              '--warmup-epochs')
+        if self.epochs is None or self.warmup_epochs is None or self.decay_epochs < 1:
+            return  # (a recipe's values not filled in yet; a fraction of the schedule always fits)
+        length = self.epochs if self.warmup_prefix else self.epochs - self.warmup_epochs
+        if self.decay_epochs > length:
+            which = '' if self.warmup_prefix else ' (--epochs less --warmup-epochs)'
+            raise ConfigError(f'--sched rsqrt decays over the last --decay-epochs ({self.decay_epochs:g}) of the '
+                              f'{length} epochs after the warmup{which}; give a smaller --decay-epochs, or a value '
+                              'below 1 for a fraction of them', '--decay-epochs')
 
     def _check_augment(self) -> None:
         """The augmentation flags together: ranges in order, no flag that another switches off, a policy timm
@@ -601,7 +620,8 @@ class TrainConfig:
             if getattr(self, name) is None and not (name == 'lr' and lr_rule):  # --lr-base... given: timm's rule
                 changes[name] = value
         if self.lr_source is None:
-            changes['lr_source'] = 'flag' if self.lr is not None else 'recipe' if 'lr' in changes else 'rule'
+            # (the timm recipe fills in lr None: the rule's)
+            changes['lr_source'] = 'flag' if self.lr is not None else 'recipe' if changes.get('lr') else 'rule'
         model = changes.get('model', self.model)
         if self.patchmix and self.model is None and not model.startswith('patchhead_') and not self.no_patch_loss:
             changes['model'] = 'patchhead_' + model  # a recipe's backbone, with the head --patchmix needs
