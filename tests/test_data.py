@@ -50,6 +50,7 @@ def test_fashion_mnist_files_are_read_exactly(tmp_path):
     ('truncated gzip', r'is damaged \(truncated or not gzip data'),
     ('not gzip', r'is damaged \(truncated or not gzip data'),
     ('not idx', r'is not an unsigned-byte IDX file'),
+    ('header cut short', r'is truncated: its header names 3 dimensions, but the file ends after 6 bytes'),
     ('labels 2-d', r'must hold images \[N, H, W\] and labels \[N\]'),
 ])
 def test_damaged_or_mismatched_fashion_mnist_files_are_named(tmp_path, case, message, capsys):
@@ -68,7 +69,8 @@ def test_damaged_or_mismatched_fashion_mnist_files_are_named(tmp_path, case, mes
         path = root / 'train-images-idx3-ubyte.gz'
         data = path.read_bytes()
         path.write_bytes({'truncated gzip': data[:len(data) // 2], 'not gzip': b'plain bytes, not gzip',
-                          'not idx': gzip.compress(b'\x01\x02\x03\x04' + data[4:])}[case])
+                          'not idx': gzip.compress(b'\x01\x02\x03\x04' + data[4:]),
+                          'header cut short': gzip.compress(b'\x00\x00\x08\x03\x00\x00')}[case])
     with pytest.raises(DatasetError, match=message):
         FashionMNISTFiles(str(root), 'train')
     # train.py: one error line and exit 1, and no run folder
@@ -121,16 +123,33 @@ def test_a_validation_class_the_training_split_lacks_is_refused(tmp_path, capsys
         build_datasets(parse_config(['--data-dir', root]))
 
 
+def test_a_dataset_without_class_names_takes_num_classes(tmp_path):
+    """torchvision's INaturalist names no classes: --num-classes gives their number, as in timm's train.py;
+    without it, one error asking for it."""
+    kinds = ['00000_Animalia_Chordata_Aves_O_F_G_alpha', '00001_Plantae_Tracheophyta_M_O_F_G_beta']
+    root, value = image_folder(tmp_path / 'inat', {'2021_train': kinds, '2021_valid': kinds})
+    args = ['--dataset', 'torch/inaturalist', '--data-dir', root]
+    with pytest.raises(TrainSetupError, match=r'cannot tell the number of classes .*; pass --num-classes'):
+        build_datasets(parse_config(args))
+    data = build_datasets(parse_config(args + ['--num-classes', '2']))
+    assert data.num_classes == 2 and len(data.train) == 4 and len(data.val) == 4
+    for ds in (data.train, data.val):  # each label is its folder's
+        assert sorted((ds[k][1], np.asarray(ds[k][0])[0, 0, 0]) for k in range(4)) == \
+            [(0, value[kinds[0]])] * 2 + [(1, value[kinds[1]])] * 2
+
+
+@pytest.mark.parametrize('dataset', ['', 'torch/folder', 'torch/image_folder'])
 @pytest.mark.parametrize('holdout', [False, True])
-def test_a_folder_without_split_subfolders_is_not_its_own_validation_set(tmp_path, holdout):
+def test_a_folder_without_split_subfolders_is_not_its_own_validation_set(tmp_path, holdout, dataset):
+    """timm's image folder and torchvision's (``torch/folder``), read whole for each split."""
     root, _ = image_folder(tmp_path / 'flat', {'': ['ant', 'bee']})
-    args = ['--data-dir', root] + (['--holdout', '0.5'] if holdout else [])
+    args = ['--data-dir', root, '--dataset', dataset] + (['--holdout', '0.5', '--val-split', 'test'] if holdout else [])
     with pytest.raises(TrainSetupError, match=r'shares 4 image files with the training split') as e:
         build_datasets(parse_config(args))
     assert ('--holdout F' in str(e.value)) != holdout
     # with split subfolders the splits are disjoint and accepted
     root, _ = image_folder(tmp_path / 'split', {'train': ['ant', 'bee'], 'validation': ['ant', 'bee']})
-    data = build_datasets(parse_config(['--data-dir', root]))
+    data = build_datasets(parse_config(['--data-dir', root, '--dataset', dataset]))
     assert len(data.train) == 4 and len(data.val) == 4
 
 
@@ -146,6 +165,22 @@ def test_transforms_give_the_input_size_of_the_data_config(input_size, prefetch)
     for t in _transforms(cfg):
         out = np.asarray(t(img))
         assert out.shape == input_size, (t, out.shape)
+
+
+@pytest.mark.parametrize('input_size', [(1, 72, 72), (1, 32, 48), (1, 32, 32)])
+@pytest.mark.parametrize('is_training', [False, True])
+def test_greyscale_inputs_take_the_mean_of_the_models_three_values_on_every_path(input_size, is_training):
+    """--in-chans 1 on a model whose data config has 3 means and stds: each transform without the prefetcher
+    normalises the one channel by their averages (the prefetcher and the small-image path did already; timm's
+    transform failed on the shapes)."""
+    from timm_patchmix.data import Augment, image_transform
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 52), dtype=np.uint8), mode='L')
+    aug = Augment(no_aug=True)  # (no random crop or flip: the pixels of each call are the same)
+    out = image_transform(input_size, is_training, False, mean, std, crop_pct=1.0, augment=aug)(img)
+    pixels = image_transform(input_size, is_training, False, (0.0,), (1.0,), crop_pct=1.0, augment=aug)(img)
+    assert out.shape == input_size
+    torch.testing.assert_close(out, (pixels - np.mean(mean)) / np.mean(std), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize('input_size, interpolation, crop_pct', [

@@ -166,6 +166,9 @@ def read_idx(path: str) -> np.ndarray:
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise DatasetError(f'{path} is not an unsigned-byte IDX file')
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise DatasetError(f'{path} is truncated: its header names {ndim} dimensions, but the file ends after '
+                           f'{len(data)} bytes; fetch the file again')
     dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big') for i in range(ndim)]
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
@@ -336,13 +339,26 @@ def open_dataset(name: str, root: str = '', split: str = 'train', download: bool
     return base, list(class_names)
 
 
+def _image_files(ds: Dataset) -> Optional[list]:
+    """The image files a dataset reads: a timm image folder's ``filenames``, a torchvision ``DatasetFolder``'s (as
+    ``torch/folder`` and ``torch/image_folder`` open) ``samples``; None for a dataset of neither kind."""
+    files = getattr(ds, 'filenames', None)
+    if callable(files):
+        return list(files(absolute=True))
+    from torchvision.datasets import DatasetFolder
+    if isinstance(ds, DatasetFolder):
+        return [path for path, _ in ds.samples]
+    return None
+
+
 def shared_files(a: Dataset, b: Dataset) -> int:
-    """How many image files datasets ``a`` and ``b`` (timm image folders) both read; 0 for other datasets."""
-    fa, fb = getattr(a, 'filenames', None), getattr(b, 'filenames', None)
-    if not (callable(fa) and callable(fb)):
+    """How many image files datasets ``a`` and ``b`` (timm's or torchvision's image folders) both read; 0 for
+    other datasets."""
+    fa, fb = _image_files(a), _image_files(b)
+    if fa is None or fb is None:
         return 0
     import os
-    small, large = sorted((fa(absolute=True), fb(absolute=True)), key=len)
+    small, large = sorted((fa, fb), key=len)
     seen = {os.path.abspath(f) for f in small}  # string work only: an ImageNet-size folder costs about a second
     return sum(os.path.abspath(f) in seen for f in large)
 
@@ -462,12 +478,18 @@ def build_dataset(name: str, root: str = '', split: str = 'train', download: boo
     return make_view(base, classes, indices)
 
 
-def dataset_num_classes(ds: PILView) -> int:
+def dataset_num_classes(ds: PILView, given: Optional[int] = None) -> int:
+    """The number of classes of ``ds``: its class names', or its base's ``num_classes``; for a dataset that tells
+    neither (torchvision's INaturalist, timm's hfds/tfds/wds readers without a class map), ``given`` (the
+    ``--num-classes`` flag, as timm's train.py takes it), else a :class:`DatasetError` asking for it."""
     if ds.classes:
         return len(ds.classes)
     if hasattr(ds.base, 'num_classes'):
         return int(ds.base.num_classes)
-    raise ValueError('cannot tell the number of classes of this dataset; pass --num-classes')
+    if given is not None:
+        return int(given)
+    raise DatasetError('cannot tell the number of classes of this dataset (it has no class names); pass '
+                       '--num-classes')
 
 
 def default_crop_padding(img_size: int) -> int:
@@ -570,7 +592,9 @@ def image_transform(input_size, is_training: bool, use_prefetcher: bool, mean, s
     if max(h, w) <= 64 and h == w:  # the CIFAR-style crop and flip is square; other shapes get timm's transforms
         return small_image_transform(h, is_training, in_chans, use_prefetcher, mean, std, augment=augment)
     from timm.data import create_transform
+    from timm.data.loader import adapt_to_chs
     from torchvision import transforms as T
+    mean, std = adapt_to_chs(mean, in_chans), adapt_to_chs(std, in_chans)  # (a model's 3 values, 1-channel data)
     if is_training:
         aug = augment or Augment()
         # timm's train.py: the training interpolation is 'random' unless given, the model's with --no-aug

@@ -97,9 +97,9 @@ def build_datasets(cfg: TrainConfig) -> Datasets:
             val = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, cfg.dataset_download, cfg.val_subset,
                                 class_names=train.classes or None)
             _check_disjoint(cfg, train.base, val.base, 'validation')
+        n = dataset_num_classes(train, cfg.num_classes)
     except (FileNotFoundError, DatasetError) as e:
         raise TrainSetupError(str(e)) from None
-    n = dataset_num_classes(train)
     if cfg.num_classes is not None and cfg.num_classes != n:
         where = (f'dataset {cfg.dataset}' if cfg.dataset else
                  f'the image folder {cfg.data_dir}' if cfg.data_dir else 'dataset patchshapes')

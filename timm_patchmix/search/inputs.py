@@ -176,8 +176,8 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
     except (FileNotFoundError, DatasetError) as e:
         raise SearchError(str(e)) from None
     try:
-        num_classes = dataset_num_classes(ds)
-    except ValueError as e:
+        num_classes = dataset_num_classes(ds, cfg.num_classes)
+    except DatasetError as e:
         raise SearchError(str(e)) from None
     if cfg.num_classes is not None and cfg.num_classes != num_classes:
         raise SearchError(f'--num-classes {cfg.num_classes} differs from the {num_classes} classes of dataset '
