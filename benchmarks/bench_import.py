@@ -99,10 +99,20 @@ def _wall(code: str) -> float:
     return ms
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'must be an integer >= 1, got {text!r}')
+    return value
+
+
 def main(argv=None) -> dict:
     global CWD
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--repeats', type=int, default=15, help='fresh processes per measurement')
+    parser.add_argument('--repeats', type=_positive, default=15, help='fresh processes per measurement')
     parser.add_argument('--tree', default=ROOT, help='the checkout to import timm_patchmix from')
     parser.add_argument('--baseline', default=None,
                         help='another checkout (e.g. an export of an earlier commit): its added_ms is measured too, '

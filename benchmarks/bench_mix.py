@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix.collate as collate_module  # noqa: E402
 from timm_patchmix import FastCollatePatchMix, PatchMix  # noqa: E402
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-from timm_patchmix.cli_types import int_range  # noqa: E402
+from bench_models import even_batch  # noqa: E402  (the script beside this one)
+from timm_patchmix.cli_types import int_range, positive_int  # noqa: E402
 
 
 def timed(fn, sync) -> float:
@@ -149,9 +150,9 @@ def profile(fn, device, calls: int = 10, rows: int = 15) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--repeats', type=int, default=21)
+    parser.add_argument('--repeats', type=positive_int, default=21)
     parser.add_argument('--device', default='cpu')
-    parser.add_argument('--batch', type=int, default=128)
+    parser.add_argument('--batch', type=even_batch, default=128)
     parser.add_argument('--collate-batch', type=int, default=256)
     parser.add_argument('--size', type=int, default=224)
     parser.add_argument('--skip-collate', action='store_true')

@@ -31,16 +31,17 @@ import torch
 from timm.data import Mixup
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
-from bench_models import op_count  # noqa: E402  (the script beside this one; call counting only)
+from bench_models import even_batch, op_count  # noqa: E402  (the script beside this one; call counting only)
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+from timm_patchmix.cli_types import positive_int  # noqa: E402
 from timm_patchmix.mix import PatchMix, mix_select_, pack_target, soft_target  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--repeats', type=int, default=31)
+    p.add_argument('--repeats', type=positive_int, default=31)
     p.add_argument('--burst', type=int, default=20, help='calls issued back to back for host_ms and pipelined_ms')
-    p.add_argument('--batch', type=int, default=128)
+    p.add_argument('--batch', type=even_batch, default=128)
     p.add_argument('--size', type=int, default=224)
     p.add_argument('--num-classes', type=int, default=1000)
     p.add_argument('--json', default=None)

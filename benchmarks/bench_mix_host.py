@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix.mix as mix  # noqa: E402
 from bench_models import op_count  # noqa: E402  (the script beside this one; call counting only)
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+from timm_patchmix.cli_types import positive_int  # noqa: E402
 
 
 def _timm_peer(case: str) -> str:
@@ -45,7 +46,7 @@ def _timm_peer(case: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--repeats', type=int, default=300)
+    p.add_argument('--repeats', type=positive_int, default=300)
     p.add_argument('--device', default='cpu')
     p.add_argument('--num-classes', type=int, default=1000,
                    help='label width; on the CPU the label rows cost kernel time at 1000, little at 10')

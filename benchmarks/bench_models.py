@@ -30,6 +30,16 @@ from torch.utils._python_dispatch import TorchDispatchMode  # op counting only; 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 from timm_patchmix import PatchMix, PatchMixLoss  # noqa: E402
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+from timm_patchmix.cli_types import positive_int  # noqa: E402
+
+
+def even_batch(text: str) -> int:
+    """A batch size for timm's Mixup/CutMix, the peer of the mixer benchmarks: a positive even integer (timm asserts
+    an even batch)."""
+    value = positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f'must be an even integer >= 2 (timm\'s Mixup mixes pairs), got {value}')
+    return value
 
 
 class _OpCount(TorchDispatchMode):
@@ -133,7 +143,7 @@ def import_cost(repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--repeats', type=int, default=15)
+    parser.add_argument('--repeats', type=positive_int, default=15)
     parser.add_argument('--import-repeats', type=int, default=15)
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--json', default=None)

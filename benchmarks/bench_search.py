@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
+from timm_patchmix.cli_types import positive_int  # noqa: E402
 from timm_patchmix.search import Evolution, GeneScorer, PairSpace, Search, SearchConfig  # noqa: E402
 
 
@@ -144,8 +145,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('what', choices=('memo', 'bookkeeping', 'paper'))
     p.add_argument('--checkpoint', default=None)
-    p.add_argument('--population', type=int, default=None)
-    p.add_argument('--generations', type=int, default=None)
+    p.add_argument('--population', type=positive_int, default=None)
+    p.add_argument('--generations', type=positive_int, default=None)
     p.add_argument('--k', type=int, default=8)
     p.add_argument('--classes', type=int, default=100)
     p.add_argument('--device', default=None, help='paper: the search device (default: cuda when available)')
@@ -154,16 +155,10 @@ def main():
     p.add_argument('--eval-batch-size', type=int, default=512)
     p.add_argument('--json', default=None)
     a = p.parse_args()
-    if a.what == 'memo':
-        a.population, a.generations = a.population or 100, a.generations or 40
-        memo(a)
-    elif a.what == 'bookkeeping':
-        a.population, a.generations = a.population or 500, a.generations or 10
-        bookkeeping(a)
-    else:
-        a.population = a.population or 500
-        a.generations = 3 if a.generations is None else a.generations
-        paper(a)
+    population, generations = {'memo': (100, 40), 'bookkeeping': (500, 10)}.get(a.what, (500, 3))
+    a.population = population if a.population is None else a.population
+    a.generations = generations if a.generations is None else a.generations
+    {'memo': memo, 'bookkeeping': bookkeeping}.get(a.what, paper)(a)
 
 
 if __name__ == '__main__':

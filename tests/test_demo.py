@@ -58,6 +58,18 @@ def test_plot_pairs_and_guided_samples_refuse_nothing_to_draw(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_guided_samples_refuse_a_table_of_another_dataset(tmp_path):
+    """A Fashion-MNIST table drawn on patchshapes captioned shapes with clothes' names; it is refused, as train.py
+    refuses it, and nothing is written."""
+    import pytest
+    from timm_patchmix.table import MaskTableError
+    from timm_patchmix.viz import render_guided_samples
+    table = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'fmnist3', 'masks.json')
+    with pytest.raises(MaskTableError, match='was searched on another dataset'):
+        render_guided_samples(table, '', '', str(tmp_path / 'g.png'), n=2)
+    assert not os.listdir(tmp_path)
+
+
 def test_a_number_of_samples_no_picture_holds_is_a_usage_error(tmp_path, capsys):
     """--num 100000 built every image at once and was killed for memory (22 GB); it now exits 2 naming the bound
     before anything is built or written."""

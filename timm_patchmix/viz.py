@@ -173,11 +173,13 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     from torchvision.transforms.functional import pil_to_tensor
     from .data import build_dataset
     from .mix import PatchMix, PatchMixParams, split_target
-    from .table import MaskTable
+    from .table import MaskTable, dataset_fingerprint
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f'render_guided_samples: n must be an integer >= 1, got {n!r}')
-    table = MaskTable.load(table_path)
     ds = build_dataset(dataset, data_dir, 'validation')
+    # a table of another dataset's classes is refused, as train.py refuses it (its captions would name them)
+    table = MaskTable.load(table_path, num_classes=len(ds.classes) if ds.classes else None,
+                           fingerprint=dataset_fingerprint(dataset, ds.classes) if ds.classes else None)
     labels = [int(ds.base.targets[q]) for q in ds.indices] if hasattr(ds.base, 'targets') else \
         [int(ds[q][1]) for q in range(len(ds))]
     by_class: Dict[int, List[int]] = {}
