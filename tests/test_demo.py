@@ -79,4 +79,8 @@ def test_a_number_of_samples_no_picture_holds_is_a_usage_error(tmp_path, capsys)
         main(['--output', str(tmp_path / 'out'), '--num', str(MAX_SAMPLES + 1)])
     assert e.value.code == 2 and f'argument --num: must be an integer in [1, {MAX_SAMPLES}]' in capsys.readouterr().err
     assert not (tmp_path / 'out').exists()
+    with pytest.raises(SystemExit) as e:  # a seed torch's generator cannot take (it was a traceback)
+        main(['--output', str(tmp_path / 'out'), '--seed', str(2 ** 64)])
+    assert e.value.code == 2 and f'argument --seed: must be an integer in [-{2 ** 63}, {2 ** 63 - 1}]' in \
+        capsys.readouterr().err
     assert main(['--output', str(tmp_path / 'out'), '--num', '3']) == 0

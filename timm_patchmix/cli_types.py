@@ -17,18 +17,20 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'nonneg_int', 'positive_float',
-           'nonneg_float', 'probability', 'fraction', 'existing_file', 'optional_file', 'new_file', 'directory',
-           'optional_directory', 'file_or_name', 'device_name', 'device_problem']
+__all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'nonneg_int', 'seed_int', 'nonneg_seed',
+           'positive_float', 'nonneg_float', 'probability', 'fraction', 'existing_file', 'optional_file', 'new_file',
+           'directory', 'optional_directory', 'file_or_name', 'device_name', 'device_problem']
 
 
 def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
+    def num(v) -> str:  # (an integer bound in full: a seed's 2**63 - 1 is no 9.22337e+18)
+        return str(v) if isinstance(v, int) else f'{v:g}'
     if lo is not None and hi is not None:
-        return f'{kind} in {"(" if lo_open else "["}{lo:g}, {hi:g}{")" if hi_open else "]"}'
+        return f'{kind} in {"(" if lo_open else "["}{num(lo)}, {num(hi)}{")" if hi_open else "]"}'
     if lo is not None:
-        return f'{kind} {">" if lo_open else ">="} {lo:g}'
+        return f'{kind} {">" if lo_open else ">="} {num(lo)}'
     if hi is not None:
-        return f'{kind} {"<" if hi_open else "<="} {hi:g}'
+        return f'{kind} {"<" if hi_open else "<="} {num(hi)}'
     return kind
 
 
@@ -121,6 +123,9 @@ positive_float = float_range(0.0, lo_open=True, name='positive_float')  # learni
 nonneg_float = float_range(0.0, name='nonneg_float')                  # weights, decays, eps; 0 often means off
 probability = float_range(0.0, 1.0, name='probability')               # [0, 1]
 fraction = float_range(0.0, 1.0, hi_open=True, name='fraction')       # [0, 1): label smoothing, Adam betas
+# seeds: torch's generators take [-2**63, 2**64); a seed plus an epoch or a stream number stays inside
+seed_int = int_range(-(2 ** 63), 2 ** 63 - 1, name='seed_int')
+nonneg_seed = int_range(0, 2 ** 63 - 1, name='nonneg_seed')            # seeds numpy's default_rng takes too
 
 
 # --- paths --------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import os
 import torch
 
 from .checkpoint import atomic_write_text
-from .cli_types import directory, int_range, positive_int
+from .cli_types import directory, int_range, positive_int, seed_int
 from .data import PatchShapes
 from .grid import grid_from_flag
 from .mix import PatchMix, split_target
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help='P (a P x P grid of cells) or rows cols')
     parser.add_argument('--mode', default='elem', choices=('elem', 'pair', 'batch'),
                         help='elem: a mask per sample; pair: pairs swap the same cells; batch: one mask for all')
-    parser.add_argument('--seed', type=int, default=0, help='seed of the masks and partners')
+    parser.add_argument('--seed', type=seed_int, default=0, help='seed of the masks and partners')
     return parser
 
 

@@ -32,7 +32,7 @@ import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
-from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int
+from .cli_types import directory, fraction, nonneg_int, optional_directory, positive_int, seed_int
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, NUMBER, STRING, USAGE_ERROR, SettingsChangedError, check_settings, file_record,
                        read_record, read_settings, write_settings)
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help='where the dataset lives (default: the dataset\'s usual place)')
     p.add_argument('--model', default='resnet32_cifar',
                    help='timm backbone of every method; the PatchMix phases use patchhead_<model>')
-    p.add_argument('--seeds', type=int, nargs='+', default=[0],
+    p.add_argument('--seeds', type=seed_int, nargs='+', default=[0],
                    help='one full run of every method per seed; mean and std over seeds in the report')
     p.add_argument('--methods', nargs='+', choices=METHODS, default=list(METHODS), metavar='METHOD',
                    help=f'which methods to run, of {", ".join(METHODS)} (guided_pm trains random_pm as f_T)')

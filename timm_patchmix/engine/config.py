@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..cli_types import (bounds_of, float_range, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
-                         probability)
+                         probability, seed_int)
 from ..data import Augment
 from .errors import ConfigError
 
@@ -87,7 +87,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'patch_loss_weight': nonneg_float, 'guided_prob': probability, 'random_prob': probability,
     'bce_target_thresh': fraction, 'bce_pos_weight': positive_float,
     # running
-    'workers': nonneg_int, 'seed': int, 'log_interval': positive_int, 'fgsm': nonneg_float,
+    'workers': nonneg_int, 'seed': seed_int, 'log_interval': positive_int, 'fgsm': nonneg_float,
     'checkpoint_hist': nonneg_int,
 }
 # settings that hold several values, each of its VALUE_TYPES: how many (as their flags' nargs: (min, max), None for

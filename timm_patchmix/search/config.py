@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..cli_types import bounds_of, int_range, nonneg_int, positive_int, probability
+from ..cli_types import bounds_of, int_range, nonneg_int, nonneg_seed, positive_int, probability
 from ..grid import GridSpec, to_grid
 from ..table import MaskTable
 
@@ -28,7 +28,7 @@ VALUE_TYPES: Dict[str, Callable[[str], Any]] = {
     'val_subset': positive_int, 'num_classes': positive_int, 'population': int_range(2, name='population'),
     'generations': nonneg_int, 'n_active': positive_int, 'k': positive_int, 'cxpb': probability,
     'mutpb': probability, 'tournsize': positive_int, 'hof': positive_int, 'patience': nonneg_int,
-    'eval_batch_size': positive_int, 'seed': nonneg_int,
+    'eval_batch_size': positive_int, 'seed': nonneg_seed,
 }
 
 
