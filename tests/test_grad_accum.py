@@ -100,6 +100,24 @@ def test_an_epochs_last_group_may_be_shorter():
     _close(ref, epoch)
 
 
+def test_log_lines_come_every_log_interval_updates_with_the_updates_lr(capsys):
+    """--no-progress: as timm's train.py logs, a line at every --log-interval-th update of the epoch (counted in
+    updates, not batches) and at the last batch, with the lr the update trained at."""
+    batches = _batches(9, seed=3)  # N = 2: updates 0..4 at batches 2, 4, 6, 8 and 9
+    model = _model()
+    s = _stepper(model, grad_accum_steps=2, no_progress=True, log_interval=2)
+    lrs = []
+
+    def lower_the_lr(event):  # a schedule stand-in: each update lowers the lr for the next
+        if event.step % 2 == 0:
+            lrs.append(s.optimizer.param_groups[0]['lr'])
+            s.optimizer.param_groups[0]['lr'] *= 0.5
+    train_one_epoch(s, batches, 0, Runtime(torch.device('cpu')), on_step=lower_the_lr)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith('train 0 ')]
+    assert [ln.split()[2] for ln in lines] == ['[2/9]', '[6/9]', '[9/9]']
+    assert [float(ln.split()[6]) for ln in lines] == pytest.approx([lrs[0], lrs[2], lrs[3] * 0.5], rel=1e-3)
+
+
 def test_the_lr_rule_scales_to_the_batch_of_an_update():
     base = dict(lr_base=0.1, lr_base_size=256, opt='sgd', batch_size=64)
     assert scaled_lr(TrainConfig(**base, grad_accum_steps=4)) == pytest.approx(0.1)

@@ -268,7 +268,9 @@ def _running_flags(g) -> None:
     g.add_argument('--seed', type=VALUE_TYPES['seed'], default=42)
     g.add_argument('--output', default='', type=optional_directory)
     g.add_argument('--experiment', default='')
-    g.add_argument('--log-interval', type=VALUE_TYPES['log_interval'], default=50)
+    g.add_argument('--log-interval', type=VALUE_TYPES['log_interval'], default=50, metavar='N',
+                   help='with --no-progress, a line (loss, lr, images/s) at every N-th optimizer update of an epoch '
+                        'and at its end, as timm logs; without it the progress bar shows them')
     g.add_argument('--eval-metric', default='top1', choices=('top1', 'top5', 'loss'))
     g.add_argument('--checkpoint-hist', type=VALUE_TYPES['checkpoint_hist'], default=0, metavar='N',
                    help='keep the weights of the N best epochs by --eval-metric (as summary.csv gives it) as '

@@ -173,14 +173,19 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
     groups = accumulation(steps, cfg.grad_accum_steps)
     for i, (x, target) in enumerate(bar):
         accum, first, update = groups[i]
+        lr = sum(g['lr'] for g in s.optimizer.param_groups) / len(s.optimizer.param_groups)  # (what this update uses)
         loss = train_step(s, x, target, accum=accum, first=first, update=update)
         _check_finite(loss, epoch, i + 1, steps, rt)
         losses.update(loss, x.shape[0])
         if rt.primary:
             rate = losses.count * rt.world_size / (time.perf_counter() - t0)
             bar.set_postfix(loss=f'{losses.avg:.4f}', img_s=f'{rate:.0f}')
-            if cfg.no_progress and (i % cfg.log_interval == 0 or i == steps - 1):
-                print(f'train {epoch} [{i + 1}/{steps}] loss {losses.avg:.4f} {rate:.0f} img/s', flush=True)
+            # as timm's train.py: at every --log-interval-th optimizer update of the epoch and at its last batch,
+            # with the update's lr, the mean over the groups (with the progress bar, the bar shows the rest)
+            index = i // cfg.grad_accum_steps  # (the update this batch belongs to)
+            if cfg.no_progress and ((update and index % cfg.log_interval == 0) or i == steps - 1):
+                print(f'train {epoch} [{i + 1}/{steps}] loss {losses.avg:.4f} lr {lr:.3e} {rate:.0f} img/s',
+                      flush=True)
         if on_step is not None:
             from ..checkpoint import kept_rng_state
             with kept_rng_state():  # what the callback draws does not shift the run's streams
