@@ -167,6 +167,20 @@ def test_transforms_give_the_input_size_of_the_data_config(input_size, prefetch)
         assert out.shape == input_size, (t, out.shape)
 
 
+def test_a_greyscale_runs_data_config_holds_the_values_it_normalises_with():
+    """--in-chans 1 on a model with three means and stds: the resolved data config (which args.yaml and the weights
+    files record, and which timm's data config check reads back) holds their averages, one per channel."""
+    import timm
+    from timm_patchmix.engine.loaders import resolve_data
+    model = timm.create_model('resnet8_cifar', in_chans=1)
+    mean, std = model.pretrained_cfg['mean'], model.pretrained_cfg['std']
+    dc = resolve_data(parse_config(['--model', 'resnet8_cifar', '--in-chans', '1']), model)
+    assert dc.input_size == (1, 32, 32)
+    assert dc.mean == pytest.approx((sum(mean) / 3,)) and dc.std == pytest.approx((sum(std) / 3,))
+    dc = resolve_data(parse_config(['--model', 'resnet8_cifar', '--in-chans', '1', '--mean', '0.5']), model)
+    assert dc.mean == (0.5,)
+
+
 @pytest.mark.parametrize('input_size', [(1, 72, 72), (1, 32, 48), (1, 32, 32)])
 @pytest.mark.parametrize('is_training', [False, True])
 def test_greyscale_inputs_take_the_mean_of_the_models_three_values_on_every_path(input_size, is_training):

@@ -681,6 +681,41 @@ def test_a_checkpoint_loads_with_the_data_config_it_was_trained_with(tmp_path):
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in got.items() if k in want} == want
 
 
+def test_weights_name_their_own_classes_and_a_greyscale_runs_normalisation(tmp_path):
+    """patchhead_resnet32_cifar's default cfg is its registered Fashion-MNIST tag's: a model from other weights
+    (here 10 patchshapes classes, greyscale) reported the tag's class names, license and source, and the folder's
+    config.json said both. And a greyscale run's file, which recorded the model's three means and stds (it
+    normalised with their averages), made an export fail in timm's data config check."""
+    from timm.data import resolve_model_data_config
+    from timm_patchmix.checkpoint import save_weights
+    model = timm.create_model('patchhead_resnet32_cifar', num_classes=10, in_chans=1)
+    mean, std = [0.4914, 0.4822, 0.4465], [0.247, 0.2435, 0.2616]
+    data = {'dataset': '', 'input_size': [1, 32, 32], 'mean': mean, 'std': std, 'interpolation': 'bilinear',
+            'crop_pct': 1.0}
+    path = str(tmp_path / 'best.safetensors')
+    save_weights(path, model.state_dict(), {'model': 'patchhead_resnet32_cifar', 'num_classes': 10,
+                                            'model_kwargs': {'in_chans': 1}, 'data': data,
+                                            'class_names': list(PATCHSHAPES_CLASSES)})
+    loaded, _ = hub.model_from_weights(path)
+    names = tuple(PATCHSHAPES_CLASSES)
+    assert loaded.pretrained_cfg['label_names'] == names
+    assert not {'tag', 'license', 'origin_url', 'hf_hub_id'} & set(loaded.pretrained_cfg)
+    got = resolve_model_data_config(loaded)
+    assert got['mean'] == pytest.approx((sum(mean) / 3,)) and got['std'] == pytest.approx((sum(std) / 3,))
+    folder = hub.export_folder(path, str(tmp_path / 'repo'))
+    with open(os.path.join(folder, 'config.json')) as f:
+        config = json.load(f)
+    assert config['label_names'] == list(names) and config['pretrained_cfg']['label_names'] == list(names)
+    assert config['pretrained_cfg']['mean'] == pytest.approx([sum(mean) / 3]) and 'license' not in \
+        config['pretrained_cfg']
+    again = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    x = torch.randn(2, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(x), loaded(x))
+    assert tuple(again.pretrained_cfg['label_names']) == names
+    assert resolve_model_data_config(again)['mean'] == pytest.approx((sum(mean) / 3,))
+
+
 def test_the_backbone_of_a_model_built_with_create_patchhead_keeps_its_build_arguments():
     """``load_backbone`` of a model made by ``create_patchhead`` (timm records the build arguments on its
     backbone only) builds the plain model with them: the same pooling, the same logits (it fell back to the

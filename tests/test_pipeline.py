@@ -436,6 +436,9 @@ def test_child_command_parses_back_to_the_run(tmp_path):
     (['--mixup', '1.0'], '--mixup', "give the pipeline's own --methods"),
     (['--patchmix'], '--patchmix', "give the pipeline's own --methods"),
     (['--no-patch'], '--no-patch-loss (given as --no-patch)', "give the pipeline's own --final-loss"),
+    # (the report said L_T for runs that trained on the patch loss alone, or on another weighting)
+    (['--no-image-loss'], '--no-image-loss', "give the pipeline's own --final-loss"),
+    (['--patch-loss-weight', '0.5'], '--patch-loss-weight', "give the pipeline's own --final-loss"),
 ])
 def test_train_args_refuse_the_flags_the_pipeline_sets(tmp_path, capsys, monkeypatch, flags, named, instead):
     """A flag the pipeline sets for its runs would override its value from --train-args (argparse keeps the last):
@@ -447,6 +450,19 @@ def test_train_args_refuse_the_flags_the_pipeline_sets(tmp_path, capsys, monkeyp
         pipeline_main(['--output', str(out), '--train-args', '--epochs', '1'] + flags)
     err = capsys.readouterr().err
     assert e.value.code == 2 and f'error: {named} in --train-args: the pipeline sets it' in err and instead in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize('model', ['patchhead_resnet8_cifar', 'no_such_net'])
+def test_a_model_that_is_no_plain_backbone_is_refused_before_any_phase(tmp_path, capsys, monkeypatch, model):
+    """--model patchhead_X trained Base as a patch-head model, then stopped at patchhead_patchhead_X."""
+    import timm_patchmix.pipeline as pipeline
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: pytest.fail('the phases ran'))
+    out = tmp_path / 'p'
+    with pytest.raises(SystemExit) as e:
+        pipeline_main(['--output', str(out), '--model', model])
+    assert e.value.code == 2 and f"argument --model: '{model}' is not a timm model name (give the plain backbone" \
+        in capsys.readouterr().err
     assert not out.exists()
 
 

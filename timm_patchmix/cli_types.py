@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'nonneg_int', 'seed_int', 'nonneg_seed',
            'positive_float', 'nonneg_float', 'probability', 'fraction', 'existing_file', 'optional_file', 'new_file',
-           'directory', 'optional_directory', 'file_or_name', 'device_name', 'device_problem']
+           'directory', 'optional_directory', 'file_or_name', 'backbone_name', 'device_name', 'device_problem']
 
 
 def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
@@ -180,6 +180,16 @@ def optional_directory(text: str) -> str:
 def file_or_name(text: str) -> str:
     """A file or a name that is not a path (``hf-hub:<repo>``, a registered tag); an existing folder is refused."""
     return _not_a_folder(text, 'a file or a name', 'string')
+
+
+def backbone_name(text: str) -> str:
+    """A timm architecture to run plain and as its ``patchhead_`` version (the pipeline's and the study's
+    ``--model``): a registered name, not a ``patchhead_`` one."""
+    import timm
+    if not timm.is_model(text) or text.startswith('patchhead_'):
+        raise argparse.ArgumentTypeError(f'{text!r} is not a timm model name (give the plain backbone; the PatchMix '
+                                         'runs use its patchhead_ version)')
+    return text
 
 
 def device_problem(text: str) -> Optional[str]:

@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights,
                           temp_dir)
-from ..data import DATA_CONFIG_KEYS, dataset_label
+from ..data import DATA_CONFIG_KEYS, channel_matched, dataset_label
 from ..settings import file_record
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary
 from .cli import main
@@ -85,7 +85,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         file_record(table)['sha256'] == digest if digest else table == trained_with)
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
-    data_config = {k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)}
+    data_config = channel_matched({k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)})
     metrics, results = _summary(checkpoint), _results(checkpoint)
     model_config = {'timm_patchmix': {'method': 'guided' if trained_with else 'random',
                                       'grid': list(model.grid),

@@ -11,7 +11,7 @@ import torch.nn as nn
 import timm
 
 from ..checkpoint import CheckpointError, load_weights, save_weights
-from ..data import DATA_CONFIG_KEYS
+from ..data import DATA_CONFIG_KEYS, channel_matched
 from ..validation import Fields, check_hub_config, check_tensor_kinds
 
 __all__ = ['model_from_weights', 'load_model', 'load_backbone', 'backbone_state_dict', 'export_backbone']
@@ -40,9 +40,16 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
         raise CheckpointError(f'{path}: cannot build {arch} with the recorded num_classes and model_kwargs '
                               f'{kwargs}: {e}') from None
     # the model reports the data it was trained on (timm's resolve_model_data_config reads its pretrained cfg)
-    data = {k: v for k, v in (meta.get('data') or {}).items() if k in DATA_CONFIG_KEYS and v is not None}
-    if data and isinstance(getattr(model, 'pretrained_cfg', None), dict):
-        cfg = dict(model.pretrained_cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    # and the classes of these weights: not the names, license or source of a registered tag the architecture's
+    # default cfg came from
+    data = channel_matched({k: v for k, v in (meta.get('data') or {}).items()
+                            if k in DATA_CONFIG_KEYS and v is not None})
+    if isinstance(getattr(model, 'pretrained_cfg', None), dict):
+        from ..models.registry import _WEIGHTS_IDENTITY
+        cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in _WEIGHTS_IDENTITY}
+        cfg.update({k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        if meta.get('class_names'):
+            cfg['label_names'] = tuple(meta['class_names'])
         if 'input_size' in data:  # the architecture's test-time size and crop belong to its own training size
             cfg.pop('test_input_size', None)
             cfg.pop('test_crop_pct', None)
