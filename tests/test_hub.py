@@ -69,7 +69,7 @@ def test_export_folder_file_by_file_and_local_dir_round_trip(trained, tmp_path):
     assert open(os.path.join(folder, 'masks.json'), 'rb').read() == open(table, 'rb').read()
     card = open(os.path.join(folder, 'README.md')).read()
     for needle in ('Guided PatchMix', "hf-hub:someone/gpm-test", '@inproceedings{cascante2021patchmix',
-                   meta['command'], '| epochs | final top-1 | best top-1 |', 'disc + square', 'library_name: timm'):
+                   meta['command'], '| epochs | final top-1 | highest top-1 |', 'disc + square', 'library_name: timm'):
         assert needle in card, needle
     # back through timm's local-dir: source
     model = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
@@ -352,7 +352,7 @@ def test_card_of_a_held_out_run_states_the_protocol_and_the_test_numbers(tmp_pat
             f'(epoch {test["best"]["epoch"]}) |') in card
     assert "These weights are the best epoch's (epoch 0)." in card
     assert '| test top-1, final epoch (these weights) | test top-1, best held-out epoch (these weights) |' in card
-    assert '| epochs | final top-1 | best top-1 |' not in card
+    assert '| epochs | final top-1 | highest top-1 |' not in card
     cfg = json.load(open(os.path.join(folder, 'config.json')))
     assert cfg['timm_patchmix']['test_metrics']['final']['top1'] == test['final']['test_top1']
     assert 'tag' not in cfg['pretrained_cfg'] and 'origin_url' not in cfg['pretrained_cfg']
@@ -402,6 +402,19 @@ def test_the_card_names_the_epoch_of_the_exported_weights(tmp_path):
     save_weights(other, state, dict(meta, epoch=7))
     card = open(os.path.join(hub.export_folder(other, str(tmp_path / 'other')), 'README.md')).read()
     assert "These weights are epoch 7's, neither the best nor the final one." in card and 'these weights)' not in card
+
+
+def test_a_card_without_a_holdout_names_the_highest_top1_and_its_epoch(tmp_path):
+    """Without a held-out split the card quotes summary.csv: the final epoch's top-1 and the highest one, with its
+    epoch (it was headed "best top-1", though --eval-metric loss or top5 chooses the best epoch by other numbers)."""
+    from timm_patchmix.hub.card import protocol_lines, read_summary
+    rows = 'epoch,train_loss,eval_loss,eval_top1,eval_top5\n0,2,1.0,40.5,90\n1,1,0.8,61.25,95\n2,1,0.7,58.0,96\n'
+    (tmp_path / 'summary.csv').write_text(rows)
+    metrics = read_summary(str(tmp_path / 'best.safetensors'))
+    assert metrics == {'epochs': 3, 'final_top1': 58.0, 'best_top1': 61.25, 'best_top1_epoch': 1, 'final_top5': 96.0}
+    text = '\n'.join(protocol_lines(metrics, None, epoch=2))
+    assert '| epochs | final top-1 | highest top-1 |' in text and '| 3 | 58.00 | 61.25 (epoch 1) |' in text
+    assert "These weights are the final epoch's (epoch 2)." in text
 
 
 def test_a_folder_written_by_timms_save_for_hf_loads_through_local_dir(tmp_path):

@@ -21,9 +21,13 @@ def read_summary(checkpoint: str) -> Optional[Dict[str, Any]]:
             rows = list(csv.DictReader(f))
         if not rows:
             return None
-        top1 = [float(r['eval_top1']) for r in rows if r.get('eval_top1')]
+        scored = [(float(r['eval_top1']), int(r['epoch']) if r.get('epoch') else k)
+                  for k, r in enumerate(rows) if r.get('eval_top1')]
+        top1 = [t for t, _ in scored]
+        # the highest top-1 and its epoch (the first of a tie): what --eval-metric chose may be another epoch
+        best = max(range(len(scored)), key=lambda k: (top1[k], -k)) if scored else None
         out = {'epochs': len(rows), 'final_top1': top1[-1] if top1 else None,
-               'best_top1': max(top1) if top1 else None}
+               'best_top1': top1[best] if scored else None, 'best_top1_epoch': scored[best][1] if scored else None}
         if rows[-1].get('eval_top5'):
             out['final_top5'] = float(rows[-1]['eval_top5'])
     except (OSError, UnicodeDecodeError, csv.Error, ValueError, TypeError) as e:
@@ -103,8 +107,10 @@ def protocol_lines(metrics: Optional[Dict[str, Any]], results: Optional[Dict[str
                 'Protocol: no held-out split; the numbers are on the split each epoch was evaluated on, which also '
                 'chose the best epoch, so they are not held-out test numbers.'
                 + _whose(epoch, None, metrics['epochs'] - 1), '',
-                '| epochs | final top-1 | best top-1 |', '|---|---|---|',
-                f'| {metrics["epochs"]} | {metrics["final_top1"]:.2f} | {metrics["best_top1"]:.2f} |']
+                '| epochs | final top-1 | highest top-1 |', '|---|---|---|',
+                f'| {metrics["epochs"]} | {metrics["final_top1"]:.2f} | {metrics["best_top1"]:.2f}'
+                + (f' (epoch {metrics["best_top1_epoch"]})' if metrics.get('best_top1_epoch') is not None else '')
+                + ' |']
     return []
 
 
