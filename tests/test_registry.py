@@ -179,6 +179,11 @@ def test_a_file_overlay_is_read_by_what_it_holds_whatever_tags_the_architecture_
     open(signed, 'wb').write(bytes(data))
     with pytest.raises(CheckpointError, match='is corrupt'):
         timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=signed))
+    # a file without tensors: named (it went to the backbone, and timm's missing-keys error)
+    empty = str(tmp_path / 'empty.safetensors')
+    save_file({}, empty)
+    with pytest.raises(CheckpointError, match='empty.safetensors holds no tensors'):
+        timm.create_model('patchhead_' + arch, pretrained=True, pretrained_cfg_overlay=dict(file=empty))
 
 
 FEATURE_ARCHS = [

@@ -233,7 +233,10 @@ def _named_file_kind(named: str) -> Optional[Dict[str, Any]]:
             head = f.get_slice('patch_head.fc.weight').get_shape() if 'patch_head.fc.weight' in keys else None
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
-    if not keys or not all(k.startswith(('backbone.', 'patch_head.')) for k in keys):
+    if not keys:  # (timm would end in its missing-keys error for the backbone)
+        from ..checkpoint import CheckpointError
+        raise CheckpointError(f'{named} holds no tensors: it is not the weights of a model or of its backbone')
+    if not all(k.startswith(('backbone.', 'patch_head.')) for k in keys):
         return {'whole': False}
     # (a per-position head's weight is [cells, C, D]; num_classes=0 leaves no classifier tensors)
     return {'whole': True, 'num_classes': int(head[-2]) if head is not None and len(head) >= 2 else 0}
