@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument('--repeats', type=positive_int, default=21)
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--batch', type=even_batch, default=128)
-    parser.add_argument('--collate-batch', type=int, default=256)
+    parser.add_argument('--collate-batch', type=even_batch, default=256)
     parser.add_argument('--size', type=int, default=224)
     parser.add_argument('--skip-collate', action='store_true')
     parser.add_argument('--compile', action='store_true', help='also time torch.compile(PatchMix) (compiled first)')

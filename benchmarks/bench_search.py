@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-from timm_patchmix.cli_types import positive_int  # noqa: E402
+from timm_patchmix.cli_types import int_range, nonneg_int  # noqa: E402
 from timm_patchmix.search import Evolution, GeneScorer, PairSpace, Search, SearchConfig  # noqa: E402
 
 
@@ -145,8 +145,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('what', choices=('memo', 'bookkeeping', 'paper'))
     p.add_argument('--checkpoint', default=None)
-    p.add_argument('--population', type=positive_int, default=None)
-    p.add_argument('--generations', type=positive_int, default=None)
+    p.add_argument('--population', type=int_range(2), default=None)
+    p.add_argument('--generations', type=nonneg_int, default=None,
+                   help='memo, bookkeeping: 1 or more; paper: 0 times the first population alone')
     p.add_argument('--k', type=int, default=8)
     p.add_argument('--classes', type=int, default=100)
     p.add_argument('--device', default=None, help='paper: the search device (default: cuda when available)')
@@ -158,6 +159,8 @@ def main():
     population, generations = {'memo': (100, 40), 'bookkeeping': (500, 10)}.get(a.what, (500, 3))
     a.population = population if a.population is None else a.population
     a.generations = generations if a.generations is None else a.generations
+    if a.generations == 0 and a.what != 'paper':  # (a median per generation of none)
+        p.error(f'argument --generations: {a.what} times generations: give 1 or more')
     {'memo': memo, 'bookkeeping': bookkeeping}.get(a.what, paper)(a)
 
 

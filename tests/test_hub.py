@@ -696,22 +696,22 @@ def test_a_checkpoint_loads_with_the_data_config_it_was_trained_with(tmp_path):
 
 def test_weights_name_their_own_classes_and_a_greyscale_runs_normalisation(tmp_path):
     """patchhead_resnet32_cifar's default cfg is its registered Fashion-MNIST tag's: a model from other weights
-    (here 10 patchshapes classes, greyscale) reported the tag's class names, license and source, and the folder's
-    config.json said both. And a greyscale run's file, which recorded the model's three means and stds (it
+    (here 4 patchshapes classes, greyscale) reported the tag's class names and count, license and source, and the
+    folder's config.json said both. And a greyscale run's file, which recorded the model's three means and stds (it
     normalised with their averages), made an export fail in timm's data config check."""
     from timm.data import resolve_model_data_config
     from timm_patchmix.checkpoint import save_weights
-    model = timm.create_model('patchhead_resnet32_cifar', num_classes=10, in_chans=1)
+    model = timm.create_model('patchhead_resnet32_cifar', num_classes=4, in_chans=1)
     mean, std = [0.4914, 0.4822, 0.4465], [0.247, 0.2435, 0.2616]
     data = {'dataset': '', 'input_size': [1, 32, 32], 'mean': mean, 'std': std, 'interpolation': 'bilinear',
             'crop_pct': 1.0}
     path = str(tmp_path / 'best.safetensors')
-    save_weights(path, model.state_dict(), {'model': 'patchhead_resnet32_cifar', 'num_classes': 10,
+    names = tuple(PATCHSHAPES_CLASSES[:4])
+    save_weights(path, model.state_dict(), {'model': 'patchhead_resnet32_cifar', 'num_classes': 4,
                                             'model_kwargs': {'in_chans': 1}, 'data': data,
-                                            'class_names': list(PATCHSHAPES_CLASSES)})
+                                            'class_names': list(names)})
     loaded, _ = hub.model_from_weights(path)
-    names = tuple(PATCHSHAPES_CLASSES)
-    assert loaded.pretrained_cfg['label_names'] == names
+    assert loaded.pretrained_cfg['label_names'] == names and loaded.pretrained_cfg['num_classes'] == 4
     assert not {'tag', 'license', 'origin_url', 'hf_hub_id'} & set(loaded.pretrained_cfg)
     got = resolve_model_data_config(loaded)
     assert got['mean'] == pytest.approx((sum(mean) / 3,)) and got['std'] == pytest.approx((sum(std) / 3,))
@@ -719,6 +719,9 @@ def test_weights_name_their_own_classes_and_a_greyscale_runs_normalisation(tmp_p
     with open(os.path.join(folder, 'config.json')) as f:
         config = json.load(f)
     assert config['label_names'] == list(names) and config['pretrained_cfg']['label_names'] == list(names)
+    assert config['num_classes'] == config['pretrained_cfg']['num_classes'] == 4
+    card = open(os.path.join(folder, 'README.md')).read()  # the card says the same normalisation
+    assert f'mean [{sum(mean) / 3}]' in card
     assert config['pretrained_cfg']['mean'] == pytest.approx([sum(mean) / 3]) and 'license' not in \
         config['pretrained_cfg']
     again = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()

@@ -437,8 +437,8 @@ def test_child_command_parses_back_to_the_run(tmp_path):
     (['--patchmix'], '--patchmix', "give the pipeline's own --methods"),
     (['--no-patch'], '--no-patch-loss (given as --no-patch)', "give the pipeline's own --final-loss"),
     # (the report said L_T for runs that trained on the patch loss alone, or on another weighting)
-    (['--no-image-loss'], '--no-image-loss', "give the pipeline's own --final-loss"),
-    (['--patch-loss-weight', '0.5'], '--patch-loss-weight', "give the pipeline's own --final-loss"),
+    (['--no-image-loss'], '--no-image-loss', 'which its report states (--final-loss chooses'),
+    (['--patch-loss-weight', '0.5'], '--patch-loss-weight', 'which its report states (--final-loss chooses'),
 ])
 def test_train_args_refuse_the_flags_the_pipeline_sets(tmp_path, capsys, monkeypatch, flags, named, instead):
     """A flag the pipeline sets for its runs would override its value from --train-args (argparse keeps the last):
@@ -464,6 +464,18 @@ def test_a_model_that_is_no_plain_backbone_is_refused_before_any_phase(tmp_path,
     assert e.value.code == 2 and f"argument --model: '{model}' is not a timm model name (give the plain backbone" \
         in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_seeds_are_those_every_phase_takes(capsys):
+    """A seed the search refuses (negative: numpy's generator) or torch's generators cannot take is refused before
+    any phase (-1 trained Base, Mixup, CutMix and f_T, then stopped at the search)."""
+    from timm_patchmix.pipeline import build_parser
+    for seed in ('-1', str(2 ** 64)):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(['--seeds', '0', seed])
+        assert e.value.code == 2 and 'argument --seeds: must be an integer in [0, 2**64 - 2**32]' in \
+            capsys.readouterr().err
+    assert build_parser().parse_args(['--seeds', '0', str(2 ** 63)]).seeds == [0, 2 ** 63]
 
 
 @pytest.mark.parametrize('flags', [['-c', 'cfg.yaml'], ['--config=cfg.yaml']])

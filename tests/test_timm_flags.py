@@ -283,6 +283,13 @@ def test_lr_noise_is_bounded_seeded_and_only_where_asked():
     (['--sched', 'rsqrt', '--epochs', '20', '--warmup-epochs', '2', '--decay-epochs', '21', '--warmup-prefix'],
      '--decay-epochs (21) of the 20 epochs after the warmup'),
     (['--sched', 'rsqrt', '--epochs', '300', '--warmup-epochs', '0'], 'give --warmup-epochs of 1 or more'),
+    (['--sched', 'rsqrt', '--epochs', '3', '--warmup-epochs', '1', '--decay-epochs', '0.2'],
+     '(0.2 of 2, 0 epochs) of the 2 epochs after the warmup'),  # (timm rounds a fraction to whole epochs)
+    (['--sched', 'rsqrt', '--epochs', '5', '--warmup-epochs', '5'], 'leaves no epochs after the warmup'),
+    (['--sched', 'rsqrt', '--epochs', '5', '--warmup-epochs', '1', '--decay-epochs', '4.6'],
+     'it must come to between 1 and 4 whole epochs'),
+    (['--sched', 'rsqrt', '--epochs', '5', '--warmup-epochs', '1', '--decay-epochs', '4.5', '--sched-on-updates'],
+     'give at most 4'),
 ])
 def test_bad_scheduler_options_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -291,7 +298,7 @@ def test_bad_scheduler_options_are_usage_errors(flags, message, capsys):
 
 
 @pytest.mark.parametrize('flags', [['--decay-epochs', '18'], ['--decay-epochs', '0.25'],
-                                   ['--decay-epochs', '20', '--warmup-prefix']])
+                                   ['--decay-epochs', '20', '--warmup-prefix'], ['--decay-epochs', '18.4']])
 def test_rsqrt_that_fits_runs_timms_schedule(flags):
     """The rsqrt runs the check lets through are timm's own schedule, epoch by epoch."""
     from timm.scheduler import create_scheduler_v2
@@ -307,6 +314,17 @@ def test_rsqrt_that_fits_runs_timms_schedule(flags):
         theirs.step(e + 1)
     assert epochs == their_epochs and lrs == pytest.approx(expected, rel=1e-12)
     assert lrs[1] < lrs[2] and lrs[5] < lrs[3]  # a warmup, then the falling lr
+
+
+def test_a_per_update_rsqrt_whose_decay_rounds_to_no_update_is_a_usage_error(tmp_path, capsys):
+    """Per update, timm's factory rounds the decay in updates once the batches are known: its error is a usage
+    error naming --sched (it was a traceback), and nothing is written."""
+    with pytest.raises(SystemExit) as e:
+        train_cli.cli(['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--no-progress',
+                       '--sched', 'rsqrt', '--epochs', '2', '--warmup-epochs', '1', '--decay-epochs', '0.01',
+                       '--sched-on-updates', '--output', str(tmp_path), '--experiment', 'x'])
+    assert e.value.code == 2 and 'argument --sched: rsqrt schedule requires 0 < decay_epochs' in capsys.readouterr().err
+    assert not (tmp_path / 'x').exists()
 
 
 def test_a_cycled_run_trains_every_cycle(tmp_path):

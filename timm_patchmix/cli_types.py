@@ -22,9 +22,27 @@ __all__ = ['Bounds', 'bounds_of', 'int_range', 'float_range', 'positive_int', 'n
            'directory', 'optional_directory', 'file_or_name', 'backbone_name', 'device_name', 'device_problem']
 
 
+def _int_words(v: int) -> str:
+    """An integer as a bound reads best: small ones in digits, large ones near a power of two as one
+    (``-2**63``, ``2**63 - 1``, ``2**64 - 2**32``)."""
+    if abs(v) < 2 ** 32:
+        return str(v)
+    a = abs(v)
+    for p in (a.bit_length() - 1, a.bit_length()):
+        r = a - 2 ** p
+        m = abs(r)
+        rest = '' if r == 0 else f'2**{m.bit_length() - 1}' if m & (m - 1) == 0 and m > 1024 else \
+            str(m) if m <= 1024 else None
+        if rest == '':
+            return f'{"-" if v < 0 else ""}2**{p}'
+        if rest is not None and v > 0:
+            return f'2**{p} {"+" if r > 0 else "-"} {rest}'
+    return str(v)
+
+
 def _describe(lo, hi, lo_open: bool, hi_open: bool, kind: str) -> str:
-    def num(v) -> str:  # (an integer bound in full: a seed's 2**63 - 1 is no 9.22337e+18)
-        return str(v) if isinstance(v, int) else f'{v:g}'
+    def num(v) -> str:  # (an integer bound exactly: a seed's 2**64 - 2**32 is no 1.84467e+19)
+        return _int_words(v) if isinstance(v, int) else f'{v:g}'
     if lo is not None and hi is not None:
         return f'{kind} in {"(" if lo_open else "["}{num(lo)}, {num(hi)}{")" if hi_open else "]"}'
     if lo is not None:
@@ -123,9 +141,9 @@ positive_float = float_range(0.0, lo_open=True, name='positive_float')  # learni
 nonneg_float = float_range(0.0, name='nonneg_float')                  # weights, decays, eps; 0 often means off
 probability = float_range(0.0, 1.0, name='probability')               # [0, 1]
 fraction = float_range(0.0, 1.0, hi_open=True, name='fraction')       # [0, 1): label smoothing, Adam betas
-# seeds: torch's generators take [-2**63, 2**64); a seed plus an epoch or a stream number stays inside
-seed_int = int_range(-(2 ** 63), 2 ** 63 - 1, name='seed_int')
-nonneg_seed = int_range(0, 2 ** 63 - 1, name='nonneg_seed')            # seeds numpy's default_rng takes too
+# seeds: torch's generators take [-2**63, 2**64); 2**32 left for the epoch or step a run adds to its seed
+seed_int = int_range(-(2 ** 63), 2 ** 64 - 2 ** 32, name='seed_int')
+nonneg_seed = int_range(0, 2 ** 64 - 2 ** 32, name='nonneg_seed')      # those numpy's default_rng takes too
 
 
 # --- paths --------------------------------------------------------------------------------------------------------

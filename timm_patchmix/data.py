@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'has_fixed_splits', 'split_name_problem', 'subset_indices', 'make_view',
-           'dataset_num_classes', 'per_channel', 'channel_matched',
+           'dataset_num_classes', 'channel_matched',
            'Augment', 'default_crop_padding', 'small_image_transform', 'image_transform', 'pixel_transform', 'read_idx',
            'DatasetError',
            'shared_files']
@@ -478,15 +478,6 @@ def build_dataset(name: str, root: str = '', split: str = 'train', download: boo
     return make_view(base, classes, indices)
 
 
-def per_channel(values: Sequence[float], chans: int) -> Tuple[float, ...]:
-    """A mean or std for an input of ``chans`` channels, by the rule of timm's loader (``adapt_to_chs``): one
-    value per channel as it is, one value repeated, another count averaged (a model's RGB values for greyscale)."""
-    values = tuple(float(v) for v in values)
-    if len(values) == chans:
-        return values
-    return (values[0] if len(values) == 1 else sum(values) / len(values),) * chans
-
-
 def dataset_num_classes(ds: PILView, given: Optional[int] = None) -> int:
     """The number of classes of ``ds``: its class names', or its base's ``num_classes``; for a dataset that tells
     neither (torchvision's INaturalist, timm's hfds/tfds/wds readers without a class map), ``given`` (the
@@ -633,12 +624,14 @@ def recorded_data_config(data: dict, model: torch.nn.Module) -> dict:
 
 def channel_matched(data: dict) -> dict:
     """A data config (a checkpoint's ``data`` record) whose ``mean`` and ``std`` have one value per channel of its
-    ``input_size`` (:func:`per_channel`): files of greyscale runs written before train.py recorded the values it
-    normalised with hold the model's three."""
+    ``input_size``, by timm's loader's rule (``adapt_to_chs``: another count averaged): files of greyscale runs
+    written before train.py recorded the values it normalised with hold the model's three."""
+    from timm.data.loader import adapt_to_chs
     if not data.get('input_size'):
         return dict(data)
     chans = int(data['input_size'][0])
-    return dict(data, **{k: list(per_channel(data[k], chans)) for k in ('mean', 'std') if data.get(k)})
+    return dict(data, **{k: [float(v) for v in adapt_to_chs(tuple(data[k]), chans)]
+                         for k in ('mean', 'std') if data.get(k)})
 
 
 def pixel_transform(in_chans: int, height: int, width: int, interpolation: str = 'bilinear',

@@ -32,7 +32,7 @@ import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
-from .cli_types import backbone_name, directory, fraction, nonneg_int, optional_directory, positive_int, seed_int
+from .cli_types import backbone_name, directory, fraction, nonneg_int, nonneg_seed, optional_directory, positive_int
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, NUMBER, STRING, USAGE_ERROR, SettingsChangedError, check_settings, file_record,
                        read_record, read_settings, write_settings)
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help='where the dataset lives (default: the dataset\'s usual place)')
     p.add_argument('--model', default='resnet32_cifar', type=backbone_name,
                    help='timm backbone of every method; the PatchMix phases use patchhead_<model>')
-    p.add_argument('--seeds', type=seed_int, nargs='+', default=[0],
+    p.add_argument('--seeds', type=nonneg_seed, nargs='+', default=[0],
                    help='one full run of every method per seed; mean and std over seeds in the report')
     p.add_argument('--methods', nargs='+', choices=METHODS, default=list(METHODS), metavar='METHOD',
                    help=f'which methods to run, of {", ".join(METHODS)} (guided_pm trains random_pm as f_T)')
@@ -629,9 +629,10 @@ OWNED_TRAIN_FLAGS: Dict[str, Tuple[str, str]] = {
     'patchmix': ('--methods', 'PatchMix for the random_pm and guided_pm methods alone'),
     'patchmix_table': ('', 'the search\'s mask table for guided_pm'),
     'no_patch_loss': ('--final-loss', 'the losses of f_T and f_O'),
-    # (the report states them: L_T for f_T, --final-loss's for f_O; a weight or a loss left out would be unsaid)
-    'no_image_loss': ('--final-loss', 'the losses of f_T and f_O'),
-    'patch_loss_weight': ('--final-loss', 'the losses of f_T and f_O'),
+    # (the report states them: L_T for f_T, --final-loss's for f_O; a weight or a loss left out would be unsaid;
+    # train.py trains with them alone)
+    'no_image_loss': ('', 'the losses of f_T and f_O, which its report states (--final-loss chooses f_O\'s)'),
+    'patch_loss_weight': ('', 'the losses of f_T and f_O, which its report states (--final-loss chooses f_O\'s)'),
 }
 
 

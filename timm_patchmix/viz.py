@@ -176,10 +176,16 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     from .table import MaskTable, dataset_fingerprint
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f'render_guided_samples: n must be an integer >= 1, got {n!r}')
-    ds = build_dataset(dataset, data_dir, 'validation')
-    # a table of another dataset's classes is refused, as train.py refuses it (its captions would name them)
-    table = MaskTable.load(table_path, num_classes=len(ds.classes) if ds.classes else None,
-                           fingerprint=dataset_fingerprint(dataset, ds.classes) if ds.classes else None)
+    # a table of another dataset is refused, as train.py refuses it (its captions would name other classes): the
+    # table's fingerprint is of the dataset's name and the training split's classes, which it names; the validation
+    # split is labelled with them (a split with a class outside them is refused)
+    names = MaskTable.load(table_path).class_names or None
+    if names:
+        table = MaskTable.load(table_path, num_classes=len(names), fingerprint=dataset_fingerprint(dataset, names))
+    ds = build_dataset(dataset, data_dir, 'validation', class_names=names)
+    if not names:  # (a table that names no classes: checked against the validation split's)
+        table = MaskTable.load(table_path, num_classes=len(ds.classes) if ds.classes else None,
+                               fingerprint=dataset_fingerprint(dataset, ds.classes) if ds.classes else None)
     labels = [int(ds.base.targets[q]) for q in ds.indices] if hasattr(ds.base, 'targets') else \
         [int(ds[q][1]) for q in range(len(ds))]
     by_class: Dict[int, List[int]] = {}

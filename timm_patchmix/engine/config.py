@@ -497,20 +497,31 @@ class TrainConfig:
 
     def _check_rsqrt(self) -> None:
         """timm's rsqrt schedule: an lr falling as 1/sqrt(t / warmup) after the warmup, then a linear decay over the
-        last ``--decay-epochs`` (a value below 1: that fraction) of the epochs after the warmup (or of all epochs with
-        ``--warmup-prefix``). Its timescale is the warmup (train.py offers no ``--lr-stable-timescale``), and the
-        decay must fit: said here, before any work, rather than by timm's factory once the data is loaded."""
+        last ``--decay-epochs`` (a value below 1: that fraction, rounded to whole epochs) of the epochs after the
+        warmup (or of all epochs with ``--warmup-prefix``). Its timescale is the warmup (train.py offers no
+        ``--lr-stable-timescale``), and the decay must fit as timm's factory checks it: said here, before any work.
+        (A per-update schedule counts updates; its rounding is checked by the factory when the run builds it, and
+        that error is a usage error naming ``--sched`` too.)"""
         if self.warmup_epochs is not None and self.warmup_epochs <= 0:
             raise ConfigError('--sched rsqrt takes its timescale from the warmup: give --warmup-epochs of 1 or more',
                               '--warmup-epochs')
-        if self.epochs is None or self.warmup_epochs is None or self.decay_epochs < 1:
-            return  # (a recipe's values not filled in yet; a fraction of the schedule always fits)
+        if self.epochs is None or self.warmup_epochs is None:
+            return  # (a recipe's values not filled in yet)
         length = self.epochs if self.warmup_prefix else self.epochs - self.warmup_epochs
-        if self.decay_epochs > length:
-            which = '' if self.warmup_prefix else ' (--epochs less --warmup-epochs)'
+        which = '' if self.warmup_prefix else ' (--epochs less --warmup-epochs)'
+        if length < 1:
+            raise ConfigError(f'--sched rsqrt leaves no epochs after the warmup: --epochs {self.epochs} with '
+                              f'--warmup-epochs {self.warmup_epochs}; give more --epochs, or --warmup-prefix',
+                              '--epochs')
+        decay = self.decay_epochs * length if self.decay_epochs < 1 else self.decay_epochs
+        if not self.sched_on_updates and not 0 < round(decay) <= length:  # (timm's rounding of epochs)
+            raise ConfigError(f'--sched rsqrt decays over the last --decay-epochs ({self.decay_epochs:g}'
+                              + (f' of {length}, {round(decay)} epochs' if self.decay_epochs < 1 else '')
+                              + f') of the {length} epochs after the warmup{which}: it must come to between 1 '
+                              f'and {length} whole epochs', '--decay-epochs')
+        if self.sched_on_updates and decay > length:
             raise ConfigError(f'--sched rsqrt decays over the last --decay-epochs ({self.decay_epochs:g}) of the '
-                              f'{length} epochs after the warmup{which}; give a smaller --decay-epochs, or a value '
-                              'below 1 for a fraction of them', '--decay-epochs')
+                              f'{length} epochs after the warmup{which}: give at most {length}', '--decay-epochs')
 
     def _check_augment(self) -> None:
         """The augmentation flags together: ranges in order, no flag that another switches off, a policy timm

@@ -149,9 +149,9 @@ def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:
     data_config = resolve_data_config(flags, model=model, verbose=verbose)
     if cfg.channels is not None:  # for --in-chans alone, whose model cfg's input_size names 3 channels
         data_config['input_size'] = (cfg.channels, *data_config['input_size'][1:])
-    from ..data import per_channel
+    from timm.data.loader import adapt_to_chs
     for name in ('mean', 'std'):  # (a model's RGB values for greyscale input: what the normalisation uses, recorded)
-        data_config[name] = per_channel(data_config[name], data_config['input_size'][0])
+        data_config[name] = tuple(adapt_to_chs(tuple(data_config[name]), data_config['input_size'][0]))
     return DataConfig.from_timm(data_config)
 
 

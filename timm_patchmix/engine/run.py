@@ -145,7 +145,6 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
     """timm's optimizer and scheduler for a resolved ``cfg``, ``steps_per_epoch`` its optimizer updates per epoch
     (:func:`~timm_patchmix.engine.loop.updates_per_epoch`); returns them with the number of epochs."""
     from timm.optim import create_optimizer_v2
-    from timm.scheduler import create_scheduler_v2
     opt_kwargs = dict(momentum=cfg.momentum)
     if cfg.opt_eps is not None:
         opt_kwargs['eps'] = cfg.opt_eps
@@ -179,7 +178,17 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         if own is not None and len(own) != len(cfg.opt_betas):
             raise ConfigError(f'optimizer {cfg.opt} takes {len(own)} betas, got {len(cfg.opt_betas)}: '
                               f'{list(cfg.opt_betas)}', '--opt-betas')
-    scheduler, num_epochs = create_scheduler_v2(
+    try:
+        scheduler, num_epochs = _scheduler(cfg, optimizer, steps_per_epoch)
+    except ValueError as e:  # (timm's checks of a schedule's lengths, counted in updates here)
+        raise ConfigError(str(e), '--sched') from None
+    return optimizer, scheduler, num_epochs
+
+
+def _scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
+    """timm's scheduler factory on ``cfg``'s schedule flags: ``(scheduler, epochs)``."""
+    from timm.scheduler import create_scheduler_v2
+    return create_scheduler_v2(
         optimizer, sched=cfg.sched, num_epochs=cfg.epochs, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
         cooldown_epochs=cfg.cooldown_epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
         warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=steps_per_epoch,
@@ -188,7 +197,6 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         noise_pct=cfg.lr_noise_pct, noise_std=cfg.lr_noise_std, noise_seed=cfg.seed, cycle_mul=cfg.lr_cycle_mul,
         cycle_decay=cfg.lr_cycle_decay, cycle_limit=cfg.lr_cycle_limit, k_decay=cfg.lr_k_decay,
         plateau_mode='min' if cfg.eval_metric == 'loss' else 'max')  # plateau: a lower loss is the better one
-    return optimizer, scheduler, num_epochs
 
 
 def _check_second_order(cfg: TrainConfig, rt: Runtime, optimizer: torch.optim.Optimizer) -> None:

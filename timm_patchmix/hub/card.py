@@ -126,8 +126,8 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
                trained_on_table: Optional[bool] = None) -> str:
     """The card of a Hub folder. ``table``: the ``masks.json`` shipped with the model; ``trained_on_table``:
     whether it is the table the model trained on (default: whether the checkpoint records one)."""
-    from ..data import dataset_label
-    data = meta.get('data') or {}
+    from ..data import channel_matched, dataset_label
+    data = channel_matched(meta.get('data') or {})  # (the values a greyscale run normalised with, as config.json)
     dataset = dataset_label(data.get('dataset') or '', data.get('data_dir') or '')
     pm = meta.get('patchmix') or {}
     guided = bool(pm.get('table'))  # the method is the checkpoint's, whatever table is shipped with it

@@ -48,6 +48,7 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
         from ..models.registry import _WEIGHTS_IDENTITY
         cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in _WEIGHTS_IDENTITY}
         cfg.update({k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        cfg['num_classes'] = model.num_classes  # (the weights' class count, not the tag's)
         if meta.get('class_names'):
             cfg['label_names'] = tuple(meta['class_names'])
         if 'input_size' in data:  # the architecture's test-time size and crop belong to its own training size
