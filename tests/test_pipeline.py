@@ -466,16 +466,20 @@ def test_a_model_that_is_no_plain_backbone_is_refused_before_any_phase(tmp_path,
     assert not out.exists()
 
 
-def test_seeds_are_those_every_phase_takes(capsys):
-    """A seed the search refuses (negative: numpy's generator) or torch's generators cannot take is refused before
-    any phase (-1 trained Base, Mixup, CutMix and f_T, then stopped at the search)."""
-    from timm_patchmix.pipeline import build_parser
-    for seed in ('-1', str(2 ** 64)):
-        with pytest.raises(SystemExit) as e:
-            build_parser().parse_args(['--seeds', '0', seed])
-        assert e.value.code == 2 and 'argument --seeds: must be an integer in [0, 2**64 - 2**32]' in \
-            capsys.readouterr().err
-    assert build_parser().parse_args(['--seeds', '0', str(2 ** 63)]).seeds == [0, 2 ** 63]
+def test_seeds_are_those_every_phase_takes(tmp_path, capsys, monkeypatch):
+    """A seed torch's generators cannot take is refused by the parser, a negative one before any phase where the
+    search runs (numpy's generator refuses it: -1 trained Base, Mixup, CutMix and f_T, then stopped there)."""
+    import timm_patchmix.pipeline as pipeline
+    with pytest.raises(SystemExit) as e:
+        pipeline.build_parser().parse_args(['--seeds', '0', str(2 ** 64)])
+    assert e.value.code == 2 and 'argument --seeds: must be an integer in [-2**63, 2**64 - 2**32]' in \
+        capsys.readouterr().err
+    assert pipeline.build_parser().parse_args(['--seeds', '-1', str(2 ** 63)]).seeds == [-1, 2 ** 63]
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: pytest.fail('the phases ran'))
+    with pytest.raises(SystemExit) as e:
+        pipeline_main(['--output', str(tmp_path / 'p'), '--seeds', '0', '-1'])
+    assert e.value.code == 2 and 'the search of guided_pm takes seeds >= 0' in capsys.readouterr().err
+    assert not (tmp_path / 'p').exists()
 
 
 @pytest.mark.parametrize('flags', [['-c', 'cfg.yaml'], ['--config=cfg.yaml']])

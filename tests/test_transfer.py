@@ -169,6 +169,52 @@ def test_freeze_for_linear_probe_modes():
     assert held == {id(p) for p in model.parameters() if p.requires_grad}
 
 
+def test_a_per_position_head_is_built_for_a_hub_model_too(source):
+    """--per-position-head with a local-dir: model was dropped (the run recorded it, the model had a shared head):
+    the folder's shared head then does not fit, named as one error line; --initial-checkpoint of its weights loads
+    the rest and starts the per-position head fresh."""
+    from timm_patchmix.engine.model import _model_kwargs
+    ckpt, folder, weights = source
+    cfg = parse_config(DIGITS + ['--model', f'local-dir:{folder}', '--pretrained', '--per-position-head'])
+    assert _model_kwargs(dataclasses.replace(cfg, arch=resolve_arch(cfg.model)))['per_position'] is True
+    with pytest.raises(TrainSetupError, match=r'^--model local-dir:.* --pretrained: .*model\.safetensors does not '
+                                              r'fit .*the classifier heads differ'):
+        built(DIGITS + ['--model', f'local-dir:{folder}', '--pretrained', '--per-position-head'])
+    model = built(DIGITS + ['--model', 'patchhead_resnet32_cifar', '--per-position-head', '--initial-checkpoint',
+                            os.path.join(folder, 'model.safetensors')])
+    assert model.patch_head.per_position
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items() if not k.startswith('patch_head.'))
+
+
+def test_an_initial_checkpoint_of_another_shape_is_one_error_line(tmp_path):
+    """A trunk of another --in-chans: torch's size-mismatch traceback (strict=False does not spare it) is now an
+    error naming the file and the tensor."""
+    path = str(tmp_path / 'grey.safetensors')
+    save_weights(path, timm.create_model('patchhead_resnet8_cifar', num_classes=10, in_chans=1).state_dict())
+    with pytest.raises(TrainSetupError, match=r'^--initial-checkpoint: .*grey\.safetensors does not fit the model: '
+                                              r'backbone\.conv1\.weight is \[16, 1, 3, 3\] in the file and '
+                                              r'\[16, 3, 3, 3\] in the model'):
+        built(DIGITS + ['--model', 'patchhead_resnet8_cifar', '--initial-checkpoint', path])
+
+
+@pytest.mark.parametrize('name', ['resnet8_cifar', 'test_vit', 'test_convnext'])
+def test_a_linear_probe_keeps_the_dropout_of_the_classifiers_input(name):
+    """--drop under --linear-probe: the classifier's input dropout fires in training, whether the model applies it
+    itself (timm's ResNets) or has a module for it beside the head (ViT's head_drop, ConvNeXt's head.drop, which
+    were frozen with the trunk); the trunk's own dropout (ViT's pos_drop) does not."""
+    from timm_patchmix.engine.loop import Stepper
+    kwargs = dict(pos_drop_rate=0.5) if 'vit' in name else {}
+    model = timm.create_model(name, num_classes=10, drop_rate=0.5, **kwargs)
+    cfg = parse_config(['--model', name, '--linear-probe', '--drop', '0.5'])
+    Stepper(model, None, None, cfg, torch.device('cpu'), frozen=freeze_for_linear_probe(cfg, model)).train_mode()
+    torch.manual_seed(0)
+    feats = model.forward_features(torch.randn(2, 3, *model.pretrained_cfg['input_size'][1:]))
+    assert not torch.equal(model.forward_head(feats), model.forward_head(feats))  # the input dropout fires
+    if 'vit' in name:
+        assert not model.pos_drop.training and model.head_drop.training
+
+
 @pytest.fixture(scope='module')
 def probe(source, tmp_path_factory):
     """One epoch of --linear-probe --reset-head on the digits, from the exported folder."""

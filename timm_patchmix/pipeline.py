@@ -32,7 +32,7 @@ import torch
 
 from .checkpoint import atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
-from .cli_types import backbone_name, directory, fraction, nonneg_int, nonneg_seed, optional_directory, positive_int
+from .cli_types import backbone_name, directory, fraction, nonneg_int, optional_directory, positive_int, seed_int
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, NUMBER, STRING, USAGE_ERROR, SettingsChangedError, check_settings, file_record,
                        read_record, read_settings, write_settings)
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help='where the dataset lives (default: the dataset\'s usual place)')
     p.add_argument('--model', default='resnet32_cifar', type=backbone_name,
                    help='timm backbone of every method; the PatchMix phases use patchhead_<model>')
-    p.add_argument('--seeds', type=nonneg_seed, nargs='+', default=[0],
+    p.add_argument('--seeds', type=seed_int, nargs='+', default=[0],
                    help='one full run of every method per seed; mean and std over seeds in the report')
     p.add_argument('--methods', nargs='+', choices=METHODS, default=list(METHODS), metavar='METHOD',
                    help=f'which methods to run, of {", ".join(METHODS)} (guided_pm trains random_pm as f_T)')
@@ -832,6 +832,10 @@ def main(argv=None, *, on_train_step=None) -> str:
     if repeated:
         parser.error(f'argument --seeds: seed {", ".join(map(str, repeated))} given more than once (each seed is '
                      f'one run of every method)')
+    negative = [s for s in args.seeds if s < 0]
+    if negative and any(n == 'search' for _, n, _ in phases(args)):  # (before any phase trains)
+        parser.error(f'argument --seeds: the search of guided_pm takes seeds >= 0 (numpy\'s generator), got '
+                     f'{", ".join(map(str, negative))}')
     threads = args.threads or (max(1, cores() // args.jobs) if args.jobs > 1 else 0)
     if args.run_phase is not None:  # a child of --jobs N: one phase, no report
         seed, _, name = args.run_phase.partition(':')

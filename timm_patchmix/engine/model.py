@@ -51,10 +51,11 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
         raise ConfigError(f'{", ".join(unknown)} cannot be recorded in a checkpoint (the architectural arguments it '
                           f'may hold are {", ".join(sorted(MODEL_KWARGS))})', '--model-kwargs')
     kwargs = dict(cfg.model_kwargs)
-    if (cfg.arch or cfg.model).startswith('patchhead_') and (cfg.grid is not None or not cfg.model.startswith(SOURCES)):
+    patchhead = (cfg.arch or cfg.model).startswith('patchhead_')
+    if patchhead and (cfg.grid is not None or not cfg.model.startswith(SOURCES)):
         kwargs.setdefault('grid', cfg.grid or DEFAULT_GRID)  # a hub model without --patchmix-grid brings its own
-        if cfg.per_position_head:
-            kwargs['per_position'] = True
+    if patchhead and cfg.per_position_head:  # (a hub model's too: its config's own head is a shared one)
+        kwargs['per_position'] = True
     if cfg.channels is not None:  # --in-chans, or as timm's train.py the channels of --input-size
         kwargs['in_chans'] = cfg.channels
     if cfg.drop_path is not None:
@@ -111,6 +112,9 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     except (AssertionError, ValueError, KeyError) as e:  # timm's pooling factories assert on an unknown type
         if isinstance(e, TrainSetupError):
             raise
+        from ..checkpoint import CheckpointError
+        if isinstance(e, CheckpointError):  # weights (a hub folder's, a file overlay's) that do not fit the model
+            raise TrainSetupError(f'--model {cfg.model}{" --pretrained" if cfg.pretrained else ""}: {e}') from None
         if cfg.gp is not None and _builds_without(cfg, num_classes, kwargs, ('global_pool',)):
             raise ConfigError(f'model {cfg.model} has no global pooling {cfg.gp!r}: {_failure(e)}', '--gp') from None
         if cfg.model_kwargs and _builds_without(cfg, num_classes, kwargs, tuple(cfg.model_kwargs)):
@@ -201,12 +205,19 @@ def load_initial_checkpoint(model: nn.Module, path: str) -> None:
             if k in state and k in own and state[k].shape != own[k].shape:
                 dropped.append(state.pop(k))
     check_tensor_kinds(state, own, path, CheckpointError)
+    shapes = [f'{k} is {list(v.shape)} in the file and {list(own[k].shape)} in the model' for k, v in state.items()
+              if k in own and v.shape != own[k].shape]
+    if shapes:  # (torch's size-mismatch error, which strict=False does not spare)
+        raise CheckpointError(f'{path} does not fit the model: {shapes[0]}'
+                              + (f' ({len(shapes)} tensors differ)' if len(shapes) > 1 else '')
+                              + '; it holds weights of another architecture, --in-chans or input size')
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not any(k.startswith(h + '.') for h in heads)] if dropped else missing
     if missing or unexpected:
         raise CheckpointError(f'{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}')
     if dropped:
-        _logger.info('initial checkpoint: re-initialised classifier heads for the new number of classes')
+        _logger.info('initial checkpoint: re-initialised the classifier heads whose shapes differ from the file\'s '
+                     '(another class count, or a per-position patch head for a shared one)')
 
 
 def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
@@ -293,9 +304,21 @@ def freeze_for_linear_probe(cfg: TrainConfig, model: nn.Module) -> Tuple[nn.Modu
             holders.update('.'.join(parts[:i]) for i in range(1, len(parts)))
     frozen = []
     for name, m in names.items():
-        if not name or name in holders or id(m) in inside:
+        if not name or name in holders or id(m) in inside or _head_dropout(name, m, holders):
             continue
         parent = name.rpartition('.')[0]
         if parent in holders:  # the largest frozen modules: their children follow them into eval mode
             frozen.append(m)
     return tuple(frozen)
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _head_dropout(name: str, module: nn.Module, holders) -> bool:
+    """``module`` is the dropout of the classifier's input (``--drop``) as a module of its own beside the head, by
+    timm's names (ViT's ``head_drop``, ConvNeXt's ``head.drop``): it stays with the head in training mode, as the
+    dropout a model applies itself in its ``forward_head`` (timm's ResNets) does."""
+    parent, _, last = name.rpartition('.')
+    return isinstance(module, _DROPOUTS) and parent in holders and (
+        last.startswith('head') or parent.rpartition('.')[2].startswith('head'))
