@@ -120,6 +120,21 @@ def test_help_names_every_flag_its_default_and_an_example(name):
         assert '(default: smoke)' in text and 'population 24, 6 generations, K = 4' in text
 
 
+def test_train_help_shows_every_default_also_of_flags_without_help_text():
+    """train.py's help says a flag without a default shown takes the recipe's value or one resolved from the model:
+    flags without help text of their own (--seed, --eval-metric, --patchmix-alpha...) showed none either."""
+    from timm_patchmix.train import build_parser
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    shown = 0
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, '', [], {}, argparse.SUPPRESS):
+            assert f'(default: {action.default}' in ' '.join(formatter._format_action(action).split()), \
+                action.option_strings
+            shown += 1
+    assert shown >= 30 and '--seed SEED           (default: 42)' in parser.format_help()
+
+
 # --- import ---------------------------------------------------------------------------------------------------------
 LAZY_CHECK = r'''
 import json, sys

@@ -15,6 +15,7 @@ that failed (e.g. a non-finite training loss). The module behind a subcommand is
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import os
 import sys
@@ -37,14 +38,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's layout and appends ``(default: ...)`` to each flag's help where a default means
     something (not for required flags, switches that default to off, or flags with no default)."""
 
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        default = action.default
+        return not (default is argparse.SUPPRESS or default is None or default is False or action.required
+                    or (not action.option_strings and action.nargs not in ('?', '*')) or default == []
+                    or default == '' or default == {})
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ''
-        default = action.default
-        if ('%(default)' in text or default is argparse.SUPPRESS or default is None or default is False
-                or action.required or (not action.option_strings and action.nargs not in ('?', '*'))
-                or default == [] or default == ''):
+        if '%(default)' in text or not self._shows_default(action):
             return text
         return text + ' (default: %(default)s)'
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # (argparse formats no help line for a flag without)
+            action = copy.copy(action)
+            action.help = '(default: %(default)s)'
+        return super()._format_action(action)
 
 
 def prog_name(module: str) -> str:
