@@ -173,7 +173,8 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
     groups = accumulation(steps, cfg.grad_accum_steps)
     for i, (x, target) in enumerate(bar):
         accum, first, update = groups[i]
-        lr = sum(g['lr'] for g in s.optimizer.param_groups) / len(s.optimizer.param_groups)  # (what this update uses)
+        if cfg.no_progress and rt.primary:  # (the lr this update trains at, for the log line)
+            lr = sum(g['lr'] for g in s.optimizer.param_groups) / len(s.optimizer.param_groups)
         loss = train_step(s, x, target, accum=accum, first=first, update=update)
         _check_finite(loss, epoch, i + 1, steps, rt)
         losses.update(loss, x.shape[0])

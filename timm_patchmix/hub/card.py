@@ -23,11 +23,10 @@ def read_summary(checkpoint: str) -> Optional[Dict[str, Any]]:
             return None
         scored = [(float(r['eval_top1']), int(r['epoch']) if r.get('epoch') else k)
                   for k, r in enumerate(rows) if r.get('eval_top1')]
-        top1 = [t for t, _ in scored]
-        # the highest top-1 and its epoch (the first of a tie): what --eval-metric chose may be another epoch
-        best = max(range(len(scored)), key=lambda k: (top1[k], -k)) if scored else None
-        out = {'epochs': len(rows), 'final_top1': top1[-1] if top1 else None,
-               'best_top1': top1[best] if scored else None, 'best_top1_epoch': scored[best][1] if scored else None}
+        # the highest top-1 and its epoch (max keeps the first of a tie): --eval-metric may have chosen another
+        best, best_epoch = max(scored, key=lambda s: s[0]) if scored else (None, None)
+        out = {'epochs': len(rows), 'final_top1': scored[-1][0] if scored else None, 'best_top1': best,
+               'best_top1_epoch': best_epoch}
         if rows[-1].get('eval_top5'):
             out['final_top5'] = float(rows[-1]['eval_top5'])
     except (OSError, UnicodeDecodeError, csv.Error, ValueError, TypeError) as e:
