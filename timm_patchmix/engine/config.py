@@ -500,8 +500,8 @@ class TrainConfig:
         last ``--decay-epochs`` (a value below 1: that fraction, rounded to whole epochs) of the epochs after the
         warmup (or of all epochs with ``--warmup-prefix``). Its timescale is the warmup (train.py offers no
         ``--lr-stable-timescale``), and the decay must fit as timm's factory checks it: said here, before any work.
-        (A per-update schedule counts updates; its rounding is checked by the factory when the run builds it, and
-        that error is a usage error naming ``--sched`` too.)"""
+        (A per-update schedule rounds in updates, known once the data is: the factory checks it when the run builds
+        it, and that error is a usage error naming ``--sched`` too.)"""
         if self.warmup_epochs is not None and self.warmup_epochs <= 0:
             raise ConfigError('--sched rsqrt takes its timescale from the warmup: give --warmup-epochs of 1 or more',
                               '--warmup-epochs')
@@ -519,9 +519,6 @@ class TrainConfig:
                               + (f' of {length}, {round(decay)} epochs' if self.decay_epochs < 1 else '')
                               + f') of the {length} epochs after the warmup{which}: it must come to between 1 '
                               f'and {length} whole epochs', '--decay-epochs')
-        if self.sched_on_updates and decay > length:
-            raise ConfigError(f'--sched rsqrt decays over the last --decay-epochs ({self.decay_epochs:g}) of the '
-                              f'{length} epochs after the warmup{which}: give at most {length}', '--decay-epochs')
 
     def _check_augment(self) -> None:
         """The augmentation flags together: ranges in order, no flag that another switches off, a policy timm

@@ -98,11 +98,12 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     ``--reset-head``, ``model.reset_classifier(num_classes)`` runs once the ``--pretrained`` and
     ``--initial-checkpoint`` weights are in (a ``patchhead_`` model's resets its patch head too)."""
     import timm
+    from ..checkpoint import CheckpointError
     from ..models import PatchheadWeightsError
     kwargs = _model_kwargs(cfg)
     try:
         model = timm.create_model(cfg.model, pretrained=cfg.pretrained, num_classes=num_classes, **kwargs)
-    except PatchheadWeightsError as e:
+    except (PatchheadWeightsError, CheckpointError) as e:  # no weights; or weights that do not fit the model
         raise TrainSetupError(f'--model {cfg.model}{" --pretrained" if cfg.pretrained else ""}: {e}') from None
     except TypeError as e:
         usage = model_kwargs_error(cfg, e)
@@ -112,9 +113,6 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     except (AssertionError, ValueError, KeyError) as e:  # timm's pooling factories assert on an unknown type
         if isinstance(e, TrainSetupError):
             raise
-        from ..checkpoint import CheckpointError
-        if isinstance(e, CheckpointError):  # weights (a hub folder's, a file overlay's) that do not fit the model
-            raise TrainSetupError(f'--model {cfg.model}{" --pretrained" if cfg.pretrained else ""}: {e}') from None
         if cfg.gp is not None and _builds_without(cfg, num_classes, kwargs, ('global_pool',)):
             raise ConfigError(f'model {cfg.model} has no global pooling {cfg.gp!r}: {_failure(e)}', '--gp') from None
         if cfg.model_kwargs and _builds_without(cfg, num_classes, kwargs, tuple(cfg.model_kwargs)):
@@ -133,7 +131,6 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
         kwargs = {k: v for k, v in (getattr(model, '_model_args', None) or {}).items()
                   if k not in ('num_classes', 'pretrained_model_args')}
     if cfg.initial_checkpoint:
-        from ..checkpoint import CheckpointError
         try:
             load_initial_checkpoint(model, cfg.initial_checkpoint)
         except CheckpointError as e:
