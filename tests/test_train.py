@@ -167,6 +167,10 @@ def test_two_process_ddp_gloo(tmp_path, accum, ema):
     for r in rows:
         assert float(r['eval_top1']) * 40 / 100 == pytest.approx(round(float(r['eval_top1']) * 40 / 100))
     assert proc.stdout.count('epoch 0:') == 1, 'only rank 0 reports'
+    # each epoch's last log line gives the loss over both ranks (it gave rank 0's): the epoch's train_loss
+    for r in rows:
+        last = [ln for ln in proc.stdout.splitlines() if ln.startswith(f'train {r["epoch"]} [')][-1]
+        assert last.split()[4] == f'{float(r["train_loss"]):.4f}', (last, r['train_loss'])
     # --dist-bn reduce (the default): both ranks validated the BatchNorm stats rank 0 saved, so the saved weights,
     # evaluated in one process, give the reported numbers
     ev = _evaluate_alone(os.path.join(tmp_path, 'ddp', 'last.safetensors'), TINY + ['--patchmix', '--device', 'cpu'])

@@ -178,15 +178,21 @@ def train_one_epoch(s: Stepper, loader: Iterable, epoch: int, rt: Runtime,
         loss = train_step(s, x, target, accum=accum, first=first, update=update)
         _check_finite(loss, epoch, i + 1, steps, rt)
         losses.update(loss, x.shape[0])
+        # as timm's train.py: a line at every --log-interval-th optimizer update of the epoch and at its last batch,
+        # with the loss so far over every process (the same batches on each: each joins the reduction) and the
+        # update's lr, the mean over the groups (with the progress bar, the bar shows the rest)
+        index = i // cfg.grad_accum_steps  # (the update this batch belongs to)
+        line = cfg.no_progress and ((update and index % cfg.log_interval == 0) or i == steps - 1)
+        if line and dist.is_initialized():
+            total, n = reduce_sum([losses.sum, losses.count], s.device)
+            mean = total / max(n, 1)
+        else:
+            mean = losses.avg
         if rt.primary:
             rate = losses.count * rt.world_size / (time.perf_counter() - t0)
             bar.set_postfix(loss=f'{losses.avg:.4f}', img_s=f'{rate:.0f}')
-            # as timm's train.py: at every --log-interval-th optimizer update of the epoch and at its last batch,
-            # with the update's lr, the mean over the groups (with the progress bar, the bar shows the rest)
-            index = i // cfg.grad_accum_steps  # (the update this batch belongs to)
-            if cfg.no_progress and ((update and index % cfg.log_interval == 0) or i == steps - 1):
-                print(f'train {epoch} [{i + 1}/{steps}] loss {losses.avg:.4f} lr {lr:.3e} {rate:.0f} img/s',
-                      flush=True)
+            if line:
+                print(f'train {epoch} [{i + 1}/{steps}] loss {mean:.4f} lr {lr:.3e} {rate:.0f} img/s', flush=True)
         if on_step is not None:
             from ..checkpoint import kept_rng_state
             with kept_rng_state():  # what the callback draws does not shift the run's streams

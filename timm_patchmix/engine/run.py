@@ -181,7 +181,8 @@ def _optimization(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
     try:
         scheduler, num_epochs = _scheduler(cfg, optimizer, steps_per_epoch)
     except ValueError as e:  # (timm's checks of a schedule's lengths, counted in updates here)
-        raise ConfigError(str(e), '--sched') from None
+        raise ConfigError(f'{e}' + (f' (counted in optimizer updates, {steps_per_epoch} an epoch, under '
+                                    f'--sched-on-updates)' if cfg.sched_on_updates else ''), '--sched') from None
     return optimizer, scheduler, num_epochs
 
 
