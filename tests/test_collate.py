@@ -148,3 +148,22 @@ def test_labels_that_are_no_class_indices_are_named():
         with pytest.raises(ValueError, match=f'collate expects class-index labels, got {type(bad).__name__} '
                                              f'{bad!r} at index 1'):
             FastCollatePatchMix(num_classes=7)(labelled)
+
+
+def test_samples_with_further_fields_collate_as_timm_reads_them():
+    """timm's collates read a sample's first two fields (a dataset may append an index or a path); the collate-mixer
+    took only (image, label) pairs and failed with Python's unpacking error."""
+    batch, imgs, labels = make_batch(4)
+    extended = [(img, y, f'path{i}', i) for i, (img, y) in enumerate(batch)]
+    collate = FastCollatePatchMix(grid=2, num_classes=7)
+    params = collate.sample(4, generator=torch.Generator().manual_seed(3))
+    images, packed = collate.apply(extended, params)
+    ref_images, ref_packed = collate.apply(batch, params)
+    assert torch.equal(images, ref_images) and torch.equal(packed, ref_packed)
+    assert torch.equal(FastCollateMixup(mixup_alpha=1.0, num_classes=7, prob=0.0)(extended)[0],
+                       torch.from_numpy(imgs))  # timm's reads the same batch
+    for bad, what in (([(imgs[0],)], 'a tuple of 1'), ([imgs[0]], 'ndarray'), (['ab'], 'str')):
+        with pytest.raises(ValueError, match=f'collate expects \\(image, label, ...\\) samples, got {what} at index 0'):
+            collate(bad)
+    with pytest.raises(ValueError, match='collate expects CHW numpy arrays or tensors, got tuple at index 0'):
+        collate([((imgs[0], imgs[1]), 0)])  # e.g. a split of augmented views, which this collate does not take

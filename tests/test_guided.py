@@ -283,3 +283,26 @@ def test_a_table_built_in_python_is_checked_as_a_loaded_one(tmp_path):
     path = tmp_path / 'masks.json'
     _pair_table().save(str(path))
     assert GuidedPatchMix(path).table.to_json() == GuidedPatchMix(str(path)).table.to_json() == _pair_table().to_json()
+
+
+def test_a_failed_call_leaves_the_class_memory_as_it_was():
+    """The batch was remembered before the mix, which can still refuse it (an inference tensor outside inference
+    mode, a leaf that requires grad): the refused batch stayed in the memory, and a retry remembered it twice."""
+    table = random_table(3, 2, seed=0, grid=(2, 2))
+    mixer = GuidedPatchMix(table, guided_prob=0.0, random_prob=1.0, num_classes=3)
+    mixer.memory.update(torch.full((1, 3, 4, 4), 1.0), torch.tensor([2]))
+    before = (mixer.memory.images.clone(), mixer.memory.count.clone(), mixer.memory.next.clone())
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        inference = torch.full((2, 3, 4, 4), 7.0)
+    leaf = torch.full((2, 3, 4, 4), 5.0, requires_grad=True)
+    for bad in (inference, leaf):
+        with pytest.raises(RuntimeError):
+            mixer(bad, torch.tensor([0, 1]), gen)
+        assert torch.equal(mixer.memory.images, before[0])
+        assert torch.equal(mixer.memory.count, before[1]) and torch.equal(mixer.memory.next, before[2])
+    x = torch.stack([torch.full((3, 4, 4), 7.0), torch.full((3, 4, 4), 8.0)])
+    mixer(x, torch.tensor([0, 1]), gen)  # a batch that mixes is remembered clean, as before
+    assert mixer.memory.count.tolist() == [1, 1, 1]
+    assert torch.equal(mixer.memory.images[0, 0], torch.full((3, 4, 4), 7.0))
+    assert torch.equal(mixer.memory.images[1, 0], torch.full((3, 4, 4), 8.0))

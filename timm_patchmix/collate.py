@@ -60,12 +60,21 @@ class FastCollatePatchMix(FastCollateMixup):
         class indices ``[B]``."""
         if len(batch) == 0:
             raise ValueError('cannot collate an empty batch')
+        for i, b in enumerate(batch):
+            # timm's collates read a sample's first two fields and leave any further ones (an index, a path)
+            if isinstance(b, (str, bytes)) or not isinstance(b, Sequence) or len(b) < 2:
+                what = f'a {type(b).__name__} of {len(b)}' if isinstance(b, (tuple, list)) else type(b).__name__
+                raise ValueError(f'collate expects (image, label, ...) samples, got {what} at index {i}')
         first = batch[0][0]
-        shape = tuple(getattr(first, 'shape', ()))
+        shape = getattr(first, 'shape', None)
+        if shape is None:
+            raise ValueError(f'collate expects CHW numpy arrays or tensors, got {type(first).__name__} at index 0')
+        shape = tuple(shape)
         if len(shape) != 3:
             raise ValueError(f'collate expects CHW images, got an image of shape {list(shape)}')
         images = []
-        for i, (img, _) in enumerate(batch):
+        for i, b in enumerate(batch):
+            img = b[0]
             t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f'collate expects numpy arrays or tensors, got {type(img).__name__} at index {i}')

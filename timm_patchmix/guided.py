@@ -32,37 +32,47 @@ class ClassMemory:
 
     def update(self, x: torch.Tensor, labels: torch.Tensor) -> None:
         """Remember the last ``size`` images of each class in ``x [B, C, H, W]`` (copies)."""
-        # the memory outlives this call: never let it become an inference tensor that a later call, outside
-        # inference_mode, could not write to
-        with torch.inference_mode(False):
-            self._update(x, labels)
+        self.commit(self.take(x, labels))
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the remembered images have the image shape, dtype and device of the batch ``x [B, C, H, W]``."""
         return (self.images is not None and self.images.shape[2:] == x.shape[1:] and self.images.device == x.device
                 and self.images.dtype == x.dtype)
 
-    def _update(self, x: torch.Tensor, labels: torch.Tensor) -> None:
-        if not self.fits(x):
-            self.images = torch.empty((self.num_classes, self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-            self.count.zero_()
-            self.next.zero_()
-        lab = labels.cpu().long()
-        n = len(lab)
-        order = torch.sort(lab, stable=True).indices                      # samples grouped by class, in order
-        sorted_lab = lab[order]
-        counts = torch.bincount(lab, minlength=self.num_classes)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(n) - starts[sorted_lab]                         # position within its class
-        keep = rank >= counts[sorted_lab] - self.size                       # the last `size` of each class
-        idx, cls, rank = order[keep], sorted_lab[keep], rank[keep] - (counts[sorted_lab[keep]] - self.size).clamp(min=0)
-        slots = (self.next[cls] + rank) % self.size
-        dev = x.device
-        # (without the batch's autograd history: a later batch mixed with these images must not reach it)
-        self.images[cls.to(dev), slots.to(dev)] = x[idx.to(dev)].detach()
-        added = torch.bincount(cls, minlength=self.num_classes)
-        self.next = (self.next + added) % self.size
-        self.count = torch.clamp(self.count + added, max=self.size)
+    def take(self, x: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the images :meth:`update` remembers from ``x``, with their classes and ranks, for a later
+        :meth:`commit`; the memory itself is not changed (a caller that fails between the two leaves it as it was)."""
+        # the memory outlives this call: never let it become an inference tensor that a later call, outside
+        # inference_mode, could not write to
+        with torch.inference_mode(False):
+            lab = labels.cpu().long()
+            n = len(lab)
+            order = torch.sort(lab, stable=True).indices                      # samples grouped by class, in order
+            sorted_lab = lab[order]
+            counts = torch.bincount(lab, minlength=self.num_classes)
+            starts = torch.cumsum(counts, 0) - counts
+            rank = torch.arange(n) - starts[sorted_lab]                         # position within its class
+            keep = rank >= counts[sorted_lab] - self.size                       # the last `size` of each class
+            cls = sorted_lab[keep]
+            rank = rank[keep] - (counts[cls] - self.size).clamp(min=0)
+            # (without the batch's autograd history: a later batch mixed with these images must not reach it)
+            return cls, rank, x[order[keep].to(x.device)].detach()
+
+    def commit(self, taken: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Remember the images of a :meth:`take`."""
+        cls, rank, images = taken
+        with torch.inference_mode(False):
+            if not self.fits(images):
+                self.images = torch.empty((self.num_classes, self.size, *images.shape[1:]), dtype=images.dtype,
+                                          device=images.device)
+                self.count.zero_()
+                self.next.zero_()
+            slots = (self.next[cls] + rank) % self.size
+            dev = images.device
+            self.images[cls.to(dev), slots.to(dev)] = images
+            added = torch.bincount(cls, minlength=self.num_classes)
+            self.next = (self.next + added) % self.size
+            self.count = torch.clamp(self.count + added, max=self.size)
 
     def clear(self) -> None:
         """Forget every image (a new epoch starts with an empty memory, as in a fresh loader worker)."""
@@ -245,10 +255,11 @@ class GuidedPatchMix:
             mem = torch.stack([self.memory.pick(c, generator) for c in extra]).to(x.device)
             source = (torch.cat([x, mem]),
                       torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)]))
-        self.memory.update(x, target)  # the clean images, before x is mixed
+        taken = self.memory.take(x, target)  # the clean images, before x is mixed; kept once the mix succeeds
         # params made here, valid by construction: _apply skips the value checks that read them back
         src_x, src_t = (None, None) if source is None else source
         mixed, packed = self.mixer._apply(x, target, params.to(x.device), src_x, src_t, fresh=fresh)
+        self.memory.commit(taken)
         n_guided = int(guided.sum())
         n_clean = int((params.mask.flatten(1).all(1) & ~guided).sum())
         self.last_counts = {'guided': n_guided, 'clean': n_clean, 'random': len(guided) - n_guided - n_clean}
