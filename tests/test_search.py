@@ -429,6 +429,28 @@ def test_errors(ckpt, tmp_path):
     (out / 'search_state.safetensors').write_bytes(b'\x00' * 100)
     with pytest.raises(SystemExit, match='cannot resume the search'):
         search_main(['--checkpoint', ckpt, '--output', str(out), '--resume'] + SMALL)
+    # a checkpoint of other class names on the embedded data: the split is named by its dataset
+    from timm_patchmix.checkpoint import load_weights
+    state, meta = load_weights(ckpt)
+    other = str(tmp_path / 'other.safetensors')
+    save_weights(other, state, dict(meta, class_names=[f'c{i}' for i in range(10)]))
+    err([], r"the split 'validation' of patchshapes has the classes \['disc', .*; the model in .*other\.safetensors "
+            r"has \['c0'", other)
+
+
+def test_a_resume_keeps_what_the_cached_scores_were_computed_with(ckpt, tmp_path):
+    """--channels-last, --amp and the device change the gene scores' rounding (AMP far more): a resume that changed
+    them filled one cache with scores of two kinds, and the table recorded the last invocation's flags."""
+    out = str(tmp_path / 's')
+    args = ['--checkpoint', ckpt, '--output', out] + SMALL
+    search_main(args + ['--generations', '1'])
+    with pytest.raises(SettingsChangedError, match=r'--channels-last: False before, True now'):
+        search_main(args + ['--resume', '--channels-last'])
+    from timm_patchmix.checkpoint import load_bundle
+    _, meta = load_bundle(os.path.join(out, 'search_state.safetensors'), 'search_state')
+    settings = meta['settings']
+    assert (settings['--device'], settings['--amp'], settings['--channels-last']) == ('cpu', False, False)
+    assert search_main(args + ['--resume']).search_args['generations'] == 4  # the same flags resume
 
 
 # --- mask table ------------------------------------------------------------------------------------------------

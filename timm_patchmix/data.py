@@ -327,7 +327,7 @@ def open_dataset(name: str, root: str = '', split: str = 'train', download: bool
     base, classes = _open_dataset(name, root, split, download)
     if class_names is None or not classes or list(classes) == list(class_names):
         return base, classes
-    where = f'split {split!r} of {root or name}'
+    where = f'split {split!r} of {root or dataset_label(name)}'
     extra = [c for c in classes if c not in class_names]
     if extra or not hasattr(getattr(base, 'reader', None), 'class_to_idx'):
         raise DatasetError(f'the {where} has the classes {list(classes)}; {classes_of} has {list(class_names)}'

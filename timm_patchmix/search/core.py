@@ -118,7 +118,7 @@ class Search:
         search = cls(space, grid, scorer, cfg.evolution(), class_names=data.class_names,
                      fingerprint=dataset_fingerprint(data.dataset, data.class_names),
                      record=dict(cfg.record(), scored_on=data.record()),
-                     settings=resume_settings(cfg, data, grid, n_active),
+                     settings=resume_settings(cfg, data, grid, n_active, device),
                      state_path=os.path.join(cfg.output, cls.STATE_FILE))
         if cfg.resume:
             if not os.path.exists(search.state_path):

@@ -213,11 +213,15 @@ def _scored_note(cfg: SearchConfig, data: Dict[str, Any], dataset: str, data_dir
     return None
 
 
-def resume_settings(cfg: SearchConfig, data: ValidationData, grid: Tuple[int, int], n_active: int
-                    ) -> Dict[str, Any]:
+def resume_settings(cfg: SearchConfig, data: ValidationData, grid: Tuple[int, int], n_active: int,
+                    device: torch.device) -> Dict[str, Any]:
     """What the population and the cached gene scores mean, by flag: a resume must have the same (generations and
-    patience only say when to stop, so a resume may change them). f_T is compared by content."""
-    return {'--checkpoint': file_record(cfg.checkpoint), '--dataset': data.dataset, '--data-dir': data.data_dir,
+    patience only say when to stop, so a resume may change them). f_T is compared by content. The device type,
+    ``--amp`` (where it takes effect: on CUDA) and ``--channels-last`` change the scores' rounding, and AMP more than
+    that, so a resume keeps them too rather than mixing two precisions in one cache."""
+    return {'--device': device.type, '--amp': bool(cfg.amp and device.type == 'cuda'),
+            '--channels-last': cfg.channels_last,
+            '--checkpoint': file_record(cfg.checkpoint), '--dataset': data.dataset, '--data-dir': data.data_dir,
             '--val-split': data.split, '--val-subset': cfg.val_subset, 'scored images': data.record()['sha256'],
             '--grid': list(grid),
             '--population': cfg.population, '--n-active': n_active, '--k': cfg.k, '--seed': cfg.seed,
