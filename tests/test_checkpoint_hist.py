@@ -319,3 +319,40 @@ def test_with_the_flag_the_folders_history_files_are_the_states(tmp_path):
     for e in (0, 1):  # this run's, written at its epochs
         _, meta = load_weights(str(folder / CHECKPOINT_NAME.format(e)))
         assert meta['epoch'] == e
+
+
+def test_a_non_finite_evaluation_loss_ranks_last(tmp_path, monkeypatch):
+    """With --eval-metric loss, an epoch whose evaluation loss was NaN (an overflow) became best as the first epoch
+    and stayed best, since no number is below NaN; --checkpoint-hist sorted on it as on a number. It now ranks
+    below every finite loss, in both."""
+    from timm_patchmix.engine import records, run
+    assert records.improves(float('nan'), None, 'loss')  # the first epoch is best while nothing else is
+    assert records.improves(2.0, {'score': float('nan')}, 'loss')
+    assert records.improves(2.0, {'score': float('inf')}, 'loss')
+    assert not records.improves(float('nan'), {'score': 2.0}, 'loss')
+    assert not records.improves(float('nan'), {'score': float('nan')}, 'loss')
+    assert not records.improves(2.0, {'score': 2.0}, 'loss') and records.improves(1.0, {'score': 2.0}, 'loss')
+    loss = [{'eval_loss': s} for s in (float('nan'), 3.0, float('inf'), 1.0)]
+    assert checkpoint_history(loss, [0], 1, 2, 'loss') == ([1, 0], [])
+    assert checkpoint_history(loss, [1, 0], 2, 2, 'loss') == ([1, 0], [])  # inf and NaN alike: the earlier stays
+    assert checkpoint_history(loss, [1, 0], 3, 2, 'loss') == ([3, 1], [0])
+
+    validate = run.validate
+    calls = []
+
+    def nan_at_first(model, loader, *args, **kwargs):
+        ev = validate(model, loader, *args, **kwargs)
+        calls.append(1)
+        return dict(ev, eval_loss=float('nan')) if len(calls) == 1 else ev
+
+    monkeypatch.setattr(run, 'validate', nan_at_first)
+    result = train(TrainConfig(**dict(TINY, epochs=3, checkpoint_hist=1), eval_metric='loss', output=str(tmp_path),
+                               experiment='nan'))
+    losses = [r['eval_loss'] for r in result.rows]
+    assert losses[0] != losses[0] and losses[1] == losses[1] and losses[2] == losses[2]
+    want = 1 if losses[1] <= losses[2] else 2
+    assert result.best['epoch'] == want
+    assert sorted(f for f in os.listdir(result.output) if f.startswith('checkpoint-')) == [CHECKPOINT_NAME.format(want)]
+    best, _ = load_weights(os.path.join(result.output, 'best.safetensors'))
+    kept, _ = load_weights(os.path.join(result.output, CHECKPOINT_NAME.format(want)))
+    assert all(torch.equal(best[k], kept[k]) for k in best)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import yaml
 from .config import TrainConfig
 from .errors import TrainSetupError
 
-__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'resume_settings', 'data_identity', 'csv_text',
+__all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'improves', 'resume_settings', 'data_identity', 'csv_text',
            'weights_meta', 'ResumePoint', 'load_resume', 'checkpoint_history', 'scheduler_state',
            'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
 
@@ -145,19 +146,33 @@ CHECKPOINT_NAME = 'checkpoint-{}.safetensors'
 _HISTORY_FILE = re.compile(r'checkpoint-(0|[1-9][0-9]*)\.safetensors\Z', re.ASCII)  # CHECKPOINT_NAME's files
 
 
+def _rank_key(score: float, metric: str) -> Tuple[bool, float]:
+    """A sort key, best first: higher scores first but for the loss; a score that is not a finite number (an
+    evaluation loss that overflowed) after every finite one."""
+    finite = math.isfinite(score)
+    return (not finite, (score if metric == 'loss' else -score) if finite else 0.0)
+
+
+def improves(score: float, best: Optional[Dict[str, Any]], metric: str) -> bool:
+    """Whether an epoch of evaluation ``score`` becomes the best epoch after ``best`` (None before the first):
+    strictly better by ``metric`` (lower for the loss), as timm's ``CheckpointSaver`` has it; a non-finite score
+    ranks below every finite one, so an evaluation loss of NaN neither beats a number nor stays best after one."""
+    return best is None or _rank_key(score, metric) < _rank_key(best['score'], metric)
+
+
 def checkpoint_history(rows: List[Dict[str, Any]], kept: List[int], epoch: int, n: int, metric: str,
                        exists=lambda e: True) -> Tuple[List[int], List[int]]:
     """timm's checkpoint history (``--checkpoint-hist n``) once ``epoch`` is done: the epochs whose weights files
     to keep, best first, and those of ``kept`` (the history after the epoch before) to remove. Epochs rank by
     ``metric`` as ``rows`` (summary.csv) give it, higher first but for the loss; of equal scores the earlier epoch
     ranks first, so a new epoch displaces the worst kept one only when it is strictly better, as in timm's
-    ``CheckpointSaver``. An epoch of ``kept`` whose file ``exists`` no longer (a run stopped between removing it
-    and saving its state) drops out."""
+    ``CheckpointSaver`` (a non-finite score ranks last, see :func:`improves`). An epoch of ``kept`` whose file
+    ``exists`` no longer (a run stopped between removing it and saving its state) drops out."""
     if n == 0:
         return [], []
-    column, sign = f'eval_{metric}', (1 if metric == 'loss' else -1)
+    column = f'eval_{metric}'
     candidates = [e for e in kept if e < epoch and exists(e)] + [epoch]
-    order = sorted(candidates, key=lambda e: (sign * rows[e][column], e))
+    order = sorted(candidates, key=lambda e: (_rank_key(rows[e][column], metric), e))
     return order[:n], [e for e in order[n:] if e != epoch]
 
 

@@ -17,7 +17,7 @@ from .errors import ConfigError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
-from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, data_identity, load_resume,
+from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, data_identity, improves, load_resume,
                       load_scheduler_state, restore_weights_files, resume_settings, save_epoch, scheduler_state,
                       weights_meta, write_args, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
@@ -76,7 +76,8 @@ def train(cfg: TrainConfig, *, on_step: Optional[Callable[[StepEvent], None]] = 
     """Train as ``cfg`` says, writing ``args.yaml``, ``summary.csv`` and the ``best``/``last``/``state``
     checkpoints to ``<output>/<experiment>`` (the state's folder when resuming without ``--experiment``).
 
-    ``on_step`` is called after every optimizer step with a :class:`StepEvent`; ``log_data_config`` logs timm's
+    ``on_step`` is called after every training batch with a :class:`StepEvent` (its ``updates`` grows at the last
+    batch of each ``grad_accum_steps`` group); ``log_data_config`` logs timm's
     data config block (a caller training several models logs it for the first only). Raises
     :class:`TrainSetupError` (:class:`ConfigError` for flags) before anything is written when the run cannot start,
     :class:`~timm_patchmix.settings.SettingsChangedError` for a resume with other settings, and
@@ -516,7 +517,7 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
                'img_s': round(tr['img_s'], 1)}
         rows.append(row)
         score = ev[metric_key]
-        improved = best is None or (score < best['score'] if cfg.eval_metric == 'loss' else score > best['score'])
+        improved = improves(score, best, cfg.eval_metric)
         if improved:
             best = {'score': score, 'epoch': epoch, 'metric': cfg.eval_metric}
         save(epoch, row, improved, rows, best)
