@@ -817,3 +817,44 @@ def test_export_and_push_say_what_ran_and_never_overwrite_their_input(trained, t
     err = capsys.readouterr().err
     assert 'error: the upload to someone/x failed (OfflineModeIsEnabled: offline); the folder is ready in ' in err
     assert os.path.isfile(tmp_path / 'up' / 'model.safetensors')
+
+
+def test_hub_fixes_method_repo_id_num_classes_and_a_plain_architecture(trained, tmp_path, monkeypatch):
+    """config.json called a model trained without --patchmix "random" (its card: no PatchMix); push took 'me/' as a
+    repo id and with --overwrite replaced output/hub itself, other exports in it; model_from_weights(num_classes=)
+    failed in dict.update; a failed push said "push again" where the same command stops at the existing folder; a
+    config.json of a plain architecture with a patch head's model_args ended in timm's TypeError."""
+    res = train_main(TINY + ['--output', str(tmp_path), '--experiment', 'plain', '--model', 'patchhead_resnet8_cifar'])
+    plain = os.path.join(res['output'], 'best.safetensors')
+    folder = hub.export_folder(plain, str(tmp_path / 'plain_hub'))
+    assert json.load(open(os.path.join(folder, 'config.json')))['timm_patchmix']['method'] == 'none'
+    assert 'trained with no PatchMix' in open(os.path.join(folder, 'README.md')).read()
+
+    monkeypatch.chdir(tmp_path)
+    keep = hub.push(trained[0], 'me/keep', dry_run=True)
+    for bad in ('me/', '/x', 'me/x/y', 'me/..', 'me/a b'):
+        with pytest.raises(ValueError, match='repo_id'):
+            hub.push(trained[0], bad, dry_run=True, overwrite=True)
+        assert os.path.isfile(os.path.join(keep, 'model.safetensors')), bad  # the other export is untouched
+    assert hub.main(['push', '--checkpoint', trained[0], '--repo-id', 'me/', '--dry-run', '--overwrite']) == 2
+    assert sorted(os.listdir(tmp_path / 'output' / 'hub')) == ['keep']
+
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, 'get_token', lambda: None)
+    with pytest.raises(RuntimeError, match='push again with --overwrite'):
+        hub.push(trained[0], 'me/keep', overwrite=True)
+    with pytest.raises(FileExistsError, match='--overwrite'):  # what the message says is needed
+        hub.push(trained[0], 'me/keep')
+
+    model, meta = hub.model_from_weights(trained[0], num_classes=10)
+    assert model.num_classes == 10
+    with pytest.raises(CheckpointError, match=r'weights for 10 classes; num_classes=5 cannot load them'):
+        hub.model_from_weights(trained[0], num_classes=5)
+
+    cfg_path = os.path.join(folder, 'config.json')
+    cfg = json.load(open(cfg_path))
+    json.dump(dict(cfg, architecture='resnet8_cifar'), open(cfg_path, 'w'))
+    with pytest.raises(CheckpointError, match=r"names the architecture 'resnet8_cifar', which has no patch head, "
+                                              r"but its model_args carry \['grid', 'per_position'\]"):
+        hub.load_model(f'local-dir:{folder}')
+    assert hub.main(['backbone', f'local-dir:{folder}', '--output', str(tmp_path / 'b.safetensors')]) == 2

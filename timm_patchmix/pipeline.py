@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--model', default='resnet32_cifar', type=backbone_name,
                    help='timm backbone of every method; the PatchMix phases use patchhead_<model>')
     p.add_argument('--seeds', type=seed_int, nargs='+', default=[0],
-                   help='one full run of every method per seed; mean and std over seeds in the report')
+                   help='one full run of every method per seed; mean and sample std over seeds in the report')
     p.add_argument('--methods', nargs='+', choices=METHODS, default=list(METHODS), metavar='METHOD',
                    help=f'which methods to run, of {", ".join(METHODS)} (guided_pm trains random_pm as f_T)')
     p.add_argument('--output', default='output/pipeline', type=directory,
@@ -574,7 +574,8 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
     ranking = ranking_note(args.budget, list(args.seeds), summary)
     versions = {'timm_patchmix': __version__, 'torch': torch.__version__, 'timm': timm.__version__}
     seeds = ', '.join(str(s) for s in args.seeds)
-    spread = 'mean ± std over seeds' if len(args.seeds) > 1 else 'one seed, so single runs with no spread'
+    spread = ('mean ± sample std (n − 1) over seeds' if len(args.seeds) > 1
+              else 'one seed, so single runs with no spread')
     where = ('the test split, with the weights of the final epoch (and of the best epoch on the held-out images)'
              if splits['holdout'] else 'the validation split, final epoch (and best epoch)')
     from .data import dataset_label

@@ -480,7 +480,7 @@ def report(out: str, cfg: Dict[str, Any], tasks: Dict[str, Task], quick: bool) -
              f'images, {cfg["epochs"]} epochs (`--recipe paper-cifar`, batch {cfg["batch_size"]}); '
              f'{cfg["holdout"] * 100:g}% of the training split held out (seed {cfg["holdout_seed"]}), '
              f'{_size_words(images["val"])} of its images select the best epoch and score the search; top-1 (%) on '
-             f'{_size_words(images["test"])} test images, final epoch, mean ± std over seeds.', '']
+             f'{_size_words(images["test"])} test images, final epoch, mean ± sample std (n − 1) over seeds.', '']
     fg = [repr(float(e)) for e in cfg['fgsm']]
     lines += ['## Main table', '', f'Seeds {main_seeds}. FGSM: top-1 under FGSM at ε (pixels in [0, 1]).', '',
               '| method | test top-1 (final) | test top-1 (best held-out epoch) | ' +
@@ -600,7 +600,7 @@ def figures(out: str, cfg: Dict[str, Any], runs, table) -> None:
     ax.invert_yaxis()
     lo = min((min(v) for _, v in rows), default=0)
     ax.set_xlim(max(0, lo - 5), 100)
-    ax.set_xlabel('test top-1 (%), mean ± std over seeds')
+    ax.set_xlabel('test top-1 (%), mean ± sample std over seeds')
     save(fig, 'ablations.png')
 
     lc = table['learning_curve']

@@ -87,7 +87,9 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = channel_matched({k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)})
     metrics, results = _summary(checkpoint), _results(checkpoint)
-    model_config = {'timm_patchmix': {'method': 'guided' if trained_with else 'random',
+    # the card's method, by the same rule: a model trained without --patchmix is no Random PatchMix model
+    method = 'guided' if trained_with else ('random' if (meta.get('patchmix') or {}).get('enabled') else 'none')
+    model_config = {'timm_patchmix': {'method': method,
                                       'grid': list(model.grid),
                                       'dataset': dataset_label(data.get('dataset') or '', data.get('data_dir') or ''),
                                       'metrics': metrics, 'test_metrics': results, 'command': meta.get('command'),
@@ -184,8 +186,14 @@ def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[
     """Export the Hub folder and upload it with huggingface_hub (token: ``token``, else ``HF_TOKEN`` or a
     ``hf auth login``). ``dry_run`` writes the folder only (to ``folder``, default ``output/hub/<repo name>``)
     and returns its path; otherwise returns the upload's commit info."""
-    if '/' not in repo_id:
+    owner, slash, name = repo_id.partition('/') if isinstance(repo_id, str) else ('', '', '')
+    if not slash or not owner or not name or '/' in name:
         raise ValueError(f'repo_id must be "user/name" or "org/name", got {repo_id!r}')
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:  # (before anything is written: the folder's name comes from it)
+        raise ValueError(f'repo_id {repo_id!r} is not a Hub repository id: {e}') from None
     folder = folder or os.path.join('output', 'hub', repo_id.split('/')[-1])
     export_folder(checkpoint, folder, repo_id=repo_id, table=table, overwrite=overwrite)
     if dry_run:
@@ -193,8 +201,9 @@ def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[
     from huggingface_hub import HfApi, get_token
     token = token or get_token()
     if not token:
-        raise RuntimeError(f'no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again (the '
-                           f'folder is ready in {folder}; --dry-run only writes it)')
+        raise RuntimeError(f'no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again with '
+                           f'--overwrite (overwrite=True), which writes the folder {folder} anew (--dry-run only '
+                           f'writes it)')
     api = HfApi(token=token, library_name='timm_patchmix')
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
@@ -202,4 +211,5 @@ def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[
                                  commit_message=commit_message)
     except Exception as e:  # the Hub's, or the network's, errors: many kinds, one message
         raise RuntimeError(f'the upload to {repo_id} failed ({type(e).__name__}: {e}); the folder is ready in '
-                           f'{folder}: push again later') from e
+                           f'{folder}: push again later with --overwrite (overwrite=True), which writes it anew, '
+                           f'or upload it with huggingface_hub') from e

@@ -33,7 +33,13 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
                               f'yourself and load the file with safetensors.torch.load_file')
     _check_registered(arch, path)
     kwargs = dict(meta.get('model_kwargs') or {})
-    kwargs.update(num_classes=meta.get('num_classes'), **overrides)
+    if overrides.get('num_classes', meta.get('num_classes')) != meta.get('num_classes'):
+        raise CheckpointError(f'{path} holds weights for {meta.get("num_classes")} classes; num_classes='
+                              f'{overrides["num_classes"]} cannot load them strictly. For a new head, build the '
+                              f'model and load the trunk: hub.load_backbone(path, num_classes=...), or train.py '
+                              f'--initial-checkpoint {path} --num-classes {overrides["num_classes"]} --reset-head')
+    kwargs.update(overrides)
+    kwargs['num_classes'] = meta.get('num_classes')
     try:
         model = timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
@@ -107,7 +113,14 @@ def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
     to fetch them again. ``name``: ``hf-hub:<repo>``, ``local-dir:<folder>``, a tag such as
     ``patchhead_resnet50.gpm_in1k``, or any timm name."""
     if name.startswith(_SOURCES):
-        _check_registered(_read_config(name, kwargs.get('cache_dir'))['architecture'], name)
+        cfg = _read_config(name, kwargs.get('cache_dir'))
+        arch = cfg['architecture']
+        _check_registered(arch, name)
+        head_args = sorted(k for k in ('grid', 'per_position') if k in (cfg.get('model_args') or {}))
+        if head_args and not arch.startswith('patchhead_'):  # timm would fail on them with a TypeError
+            raise CheckpointError(f'{name}: config.json names the architecture {arch!r}, which has no patch head, '
+                                  f'but its model_args carry {head_args}, arguments of a patchhead_ model; the '
+                                  f'architecture a timm_patchmix export names is patchhead_{arch}')
     return timm.create_model(name, pretrained=pretrained, **kwargs)
 
 
