@@ -349,8 +349,46 @@ def test_prefixed_regex_keeps_meaning(pattern):
 def test_optional_methods_exist_exactly_where_the_backbone_has_them(arch, kwargs, size, grid, per_position):
     """``hasattr(model, name)`` answers as for the plain model, so code that asks before it calls works alike."""
     plain, model = build(arch, kwargs, grid, per_position)
-    for name in ('set_input_size', 'forward_intermediates', 'prune_intermediate_layers'):
+    for name in ('set_input_size', 'forward_intermediates', 'prune_intermediate_layers', 'group_matcher'):
         assert hasattr(model, name) == hasattr(plain, name), name
+
+
+def test_layer_decay_of_a_backbone_without_a_group_matcher_groups_as_timm_does():
+    """The wrapper always had group_matcher, so timm's layer decay called it on MetaFormer (and CSATv2, PiT) where
+    the plain model has none and timm groups by its own rule: AttributeError. Now present where the backbone has it."""
+    from timm.optim import create_optimizer_v2
+    torch.manual_seed(0)
+    plain = timm.create_model('poolformer_s12', num_classes=3)
+    model = timm.create_model('patchhead_poolformer_s12', num_classes=3)
+    assert not hasattr(model, 'group_matcher')
+
+    def scales(m, prefix=''):
+        names = {id(p): n for n, p in m.named_parameters()}
+        opt = create_optimizer_v2(m, 'adamw', lr=1e-3, weight_decay=0.05, layer_decay=0.75)
+        return {names[id(p)][len(prefix):]: g['lr_scale'] for g in opt.param_groups for p in g['params']}
+    want, got = scales(plain), scales(model)
+    assert {n: got['backbone.' + n] for n in want} == want
+    assert {n for n in got if not n.startswith('backbone.')} == {'patch_head.fc.weight', 'patch_head.fc.bias'}
+    assert got['patch_head.fc.weight'] == want['head.fc.weight'] == 1.0  # the classifier's group
+
+
+def test_default_cfg_is_assignable_as_on_timm_models():
+    model = timm.create_model('patchhead_resnet8_cifar', num_classes=3)
+    model.default_cfg = dict(model.default_cfg, crop_pct=0.5)  # timm's builders assign it so
+    assert model.pretrained_cfg['crop_pct'] == 0.5 and model.default_cfg is model.pretrained_cfg
+
+
+@pytest.mark.parametrize('arch, kwargs, message', [
+    ('vit_tiny_patch16_224', dict(patch_drop_rate=0.5), 'VisionTransformer with patch_drop_rate=0.5 drops its tokens'),
+    ('hiera_tiny_224', dict(patch_drop_rate=0.48), 'Hiera with patch_drop_rate=0.48 drops its tokens'),
+    ('hiera_tiny_224', dict(q_pool=2), 'Hiera with q_pool=2 leaves 1 of its unroll steps unconsumed'),
+])
+def test_backbones_whose_tokens_are_not_the_image_grid_are_refused(arch, kwargs, message):
+    """Tokens dropped at random, or left in Hiera's unrolled order, were laid out and pooled as the image grid
+    (scrambled regions, no error) or failed naming the input's shape."""
+    with pytest.raises(ValueError, match=message):
+        timm.create_model(f'patchhead_{arch}', num_classes=5, grid=2, **kwargs)
+    timm.create_model(f'patchhead_{arch}', num_classes=5, grid=2)  # their defaults keep the grid
 
 
 @pytest.mark.parametrize('arch, kwargs, size, grid, per_position', FAMILIES, ids=IDS)

@@ -250,10 +250,11 @@ class PatchHeadModel(nn.Module):
     # computed in Python from the backbone, not part of the scripted forward
     __jit_unused_properties__ = ['default_cfg', 'num_classes', 'num_features', 'head_hidden_size', 'feature_info',
                                  'in_chans', '_traits', 'set_input_size', 'forward_intermediates',
-                                 'prune_intermediate_layers']
+                                 'prune_intermediate_layers', 'group_matcher']
 
     def __init__(self, backbone: nn.Module, grid: GridSpec = 4, per_position: bool = False):
         super().__init__()
+        _check_token_order(backbone)
         self.backbone = backbone
         self.grid = to_grid(grid)
         self.patch_head = PatchHead(backbone.num_features, backbone.num_classes, self.grid, per_position)
@@ -276,6 +277,10 @@ class PatchHeadModel(nn.Module):
     @property
     def default_cfg(self) -> Dict[str, Any]:
         return self.pretrained_cfg
+
+    @default_cfg.setter
+    def default_cfg(self, cfg: Dict[str, Any]) -> None:  # timm's builders assign both names, as on any timm model
+        self.pretrained_cfg = cfg
 
     @property
     def num_classes(self) -> int:
@@ -353,21 +358,28 @@ class PatchHeadModel(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.backbone.set_grad_checkpointing(enable)
 
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False):
-        inner = self.backbone.group_matcher(coarse)
-        if callable(inner) and not isinstance(inner, dict):
-            return _prefix_callable_matcher(inner)
-        return {k: _prefix_matcher(v) for k, v in inner.items()}
+    @property
+    def group_matcher(self) -> Callable[..., Any]:
+        """The backbone's ``group_matcher`` over the wrapped names (the patch head joins the classifier's group),
+        present exactly where the backbone has one: timm's layer decay asks ``hasattr(model, 'group_matcher')`` and
+        groups a model without one by its own rule, which the plain model's classifier names serve here too."""
+        method = self.backbone.group_matcher
+
+        def group_matcher(coarse: bool = False):
+            inner = method(coarse)
+            if callable(inner) and not isinstance(inner, dict):
+                return _prefix_callable_matcher(inner)
+            return {k: _prefix_matcher(v) for k, v in inner.items()}
+        return group_matcher
 
     @torch.jit.ignore
     def no_weight_decay(self):
         inner = self.backbone.no_weight_decay() if hasattr(self.backbone, 'no_weight_decay') else set()
         return {f'backbone.{n}' for n in inner}
 
-    # The three below exist exactly where the backbone has them: each is a property whose lookup of the backbone's
-    # method raises AttributeError where it has none, so ``hasattr(model, 'set_input_size')`` answers as for the
-    # plain model.
+    # The three below (and group_matcher above) exist exactly where the backbone has them: each is a property whose
+    # lookup of the backbone's method raises AttributeError where it has none, so ``hasattr(model, 'set_input_size')``
+    # answers as for the plain model.
     @property
     def set_input_size(self) -> Callable[..., None]:
         """The backbone's ``set_input_size``; the patch head follows the new token grid."""
@@ -491,6 +503,27 @@ def _backbone_layout(backbone: nn.Module) -> Dict[str, Any]:
         if same:
             layout.update(geom)
     return layout
+
+
+def _check_token_order(backbone: nn.Module) -> None:
+    """Refuse a backbone whose final tokens are not its image grid in reading order, which the patch head lays out
+    and pools by position: patch dropout (tokens dropped at random in training, timm's ``patch_drop_rate``), and a
+    Hiera whose ``q_pool`` leaves unroll steps unconsumed (its ``forward_features`` tokens stay in unrolled order)."""
+    from timm.layers import PatchDropout
+    arch = type(backbone).__name__
+    rate = float(getattr(backbone, 'patch_drop_rate', 0.0) or 0.0)
+    rate = max([rate] + [float(m.prob) for m in backbone.modules() if isinstance(m, PatchDropout)])
+    if rate > 0:
+        raise ValueError(f'{arch} with patch_drop_rate={rate:g} drops its tokens at random in training, so its final '
+                         f'map holds no image grid for the patch head to pool by region; build it with '
+                         f'patch_drop_rate=0')
+    reroll, ends = getattr(backbone, 'reroll', None), getattr(backbone, 'stage_ends', None)
+    schedule = getattr(reroll, 'schedule', None)
+    if isinstance(schedule, dict) and ends and ends[-1] in schedule and len(schedule[ends[-1]][0]) > 0:
+        raise ValueError(f'{arch} with q_pool={getattr(backbone, "q_pool", "?")} leaves {len(schedule[ends[-1]][0])} '
+                         f'of its unroll steps unconsumed, so its final tokens are not in image order and the patch '
+                         f'head cannot pool them by region; use a q_pool that pools at every stage end but the last '
+                         f'(the default, 3, for the 4-stage Hiera models)')
 
 
 def _pool_default(backbone: nn.Module):
