@@ -301,6 +301,15 @@ def test_a_failed_call_leaves_the_class_memory_as_it_was():
             mixer(bad, torch.tensor([0, 1]), gen)
         assert torch.equal(mixer.memory.images, before[0])
         assert torch.equal(mixer.memory.count, before[1]) and torch.equal(mixer.memory.next, before[2])
+    # a batch of another size replaces the memory only once it mixes
+    with torch.inference_mode():
+        larger = torch.full((2, 3, 8, 8), 7.0)
+    with pytest.raises(RuntimeError):
+        mixer(larger, torch.tensor([0, 1]), gen)
+    assert torch.equal(mixer.memory.images, before[0]) and torch.equal(mixer.memory.count, before[1])
+    with pytest.raises(ValueError, match='labels must lie'):
+        mixer(torch.zeros(2, 3, 8, 8), torch.tensor([0, 5]), gen)
+    assert torch.equal(mixer.memory.images, before[0]) and torch.equal(mixer.memory.count, before[1])
     x = torch.stack([torch.full((3, 4, 4), 7.0), torch.full((3, 4, 4), 8.0)])
     mixer(x, torch.tensor([0, 1]), gen)  # a batch that mixes is remembered clean, as before
     assert mixer.memory.count.tolist() == [1, 1, 1]

@@ -382,13 +382,16 @@ def test_default_cfg_is_assignable_as_on_timm_models():
     ('vit_tiny_patch16_224', dict(patch_drop_rate=0.5), 'VisionTransformer with patch_drop_rate=0.5 drops its tokens'),
     ('hiera_tiny_224', dict(patch_drop_rate=0.48), 'Hiera with patch_drop_rate=0.48 drops its tokens'),
     ('hiera_tiny_224', dict(q_pool=2), 'Hiera with q_pool=2 leaves 1 of its unroll steps unconsumed'),
+    ('eva02_tiny_patch14_224', dict(patch_drop_rate=0.5, depth=1, img_size=56),  # timm's PatchDropoutWithIndices
+     'Eva with patch_drop_rate=0.5 drops its tokens'),
 ])
 def test_backbones_whose_tokens_are_not_the_image_grid_are_refused(arch, kwargs, message):
     """Tokens dropped at random, or left in Hiera's unrolled order, were laid out and pooled as the image grid
     (scrambled regions, no error) or failed naming the input's shape."""
     with pytest.raises(ValueError, match=message):
         timm.create_model(f'patchhead_{arch}', num_classes=5, grid=2, **kwargs)
-    timm.create_model(f'patchhead_{arch}', num_classes=5, grid=2)  # their defaults keep the grid
+    rest = {k: v for k, v in kwargs.items() if k not in ('patch_drop_rate', 'q_pool')}
+    timm.create_model(f'patchhead_{arch}', num_classes=5, grid=2, **rest)  # their defaults keep the grid
 
 
 @pytest.mark.parametrize('arch, kwargs, size, grid, per_position', FAMILIES, ids=IDS)
@@ -507,6 +510,37 @@ def test_scripted_region_weights_equal_eager():
         scripted = torch.jit.script(region_weights)
     for img, fmap, parts in [(32, 8, 4), (36, 9, 4), (36, 9, 3), (70, 5, 3), (97, 7, 4), (224, 7, 7), (13, 3, 2)]:
         assert torch.equal(scripted(img, fmap, parts), region_weights(img, fmap, parts))
+    for img, fmap, parts, stride in [(72, 5, 2, 16), (72, 4, 2, 16), (79, 4, 8, 16), (224, 14, 3, 16)]:
+        assert torch.equal(scripted(img, fmap, parts, None, stride), region_weights(img, fmap, parts, None, stride))
+
+
+def test_region_weights_of_a_patch_embedding_follow_its_patches():
+    """A ViT's tokens cover whole patches: padded past the image (dynamic_img_pad) or stopping short of it (an input
+    no multiple of the patch). The weights spread the map over the image evenly, so a cell's weights were off by
+    up to a token (72 px, 5 padded tokens of 16 px: cell 0 took [0.4, 0.4, 0.2] for [16, 16, 4] pixels)."""
+    def exact(img, n, parts, stride):  # pixel overlaps, in Python integers
+        bounds = [k * img // parts for k in range(parts + 1)]
+        rows = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            w = [max(0, min(hi, (i + 1) * stride, img) - max(lo, i * stride)) for i in range(n)]
+            w = w if sum(w) else [0] * (n - 1) + [1]  # only pixels past the last token: that token
+            rows.append([v / sum(w) for v in w])
+        return torch.tensor(rows)
+    for img, n, parts, stride in [(72, 5, 2, 16), (72, 4, 2, 16), (79, 4, 8, 16), (56, 4, 2, 16), (30, 3, 3, 14)]:
+        torch.testing.assert_close(region_weights(img, n, parts, stride=stride), exact(img, n, parts, stride))
+    assert region_weights(72, 5, 2, stride=16)[0].tolist()[:3] == pytest.approx([16 / 36, 16 / 36, 4 / 36])
+    assert region_weights(79, 4, 8, stride=16)[7].tolist() == [0, 0, 0, 1]
+    for img, n, parts in [(64, 4, 2), (224, 14, 3), (224, 14, 4), (48, 3, 2)]:  # whole patches: both rules agree
+        torch.testing.assert_close(region_weights(img, n, parts, stride=img // n), region_weights(img, n, parts))
+    torch.manual_seed(0)
+    model = timm.create_model('patchhead_vit_tiny_patch16_224', num_classes=3, grid=2, depth=1, img_size=64,
+                              dynamic_img_size=True, dynamic_img_pad=True).train()
+    for size in (72, 56):  # 5x5 tokens of which the last row and column are part padding; 4x4 in the block path
+        x = torch.randn(2, 3, size, size)
+        fmap = model.feature_map_nhwc(model.forward_features(x), [size, size])
+        w = exact(size, fmap.shape[1], 2, 16)
+        want = torch.einsum('rh,cw,bhwf->brcf', w.double(), w.double(), fmap.double()).reshape(2, 4, -1)
+        torch.testing.assert_close(model.forward_patches(x), model.patch_head.fc(want.float()))
 
 
 # --- 5. ONNX --------------------------------------------------------------------------------------------------------

@@ -244,21 +244,27 @@ class GuidedPatchMix:
         if target.ndim == 1 and target.shape[0] != x.shape[0]:
             # checked before anything is drawn or remembered: a failed call leaves the class memory as it was
             raise ValueError(f'target batch size {target.shape[0]} does not match the image batch size {x.shape[0]}')
+        kept = None
         if self.memory.images is not None and not self.memory.fits(x):
             # remembered images of another size or dtype than this batch's are no partners for it, and sample
-            # reads the memory's counts: forget them first (bad labels raise before, leaving the memory as it was)
-            self._check_labels(target.cpu())
-            self.memory.clear()
-        params, guided, extra = self.sample(target, generator=generator)
-        source = None
-        if extra:
-            mem = torch.stack([self.memory.pick(c, generator) for c in extra]).to(x.device)
-            source = (torch.cat([x, mem]),
-                      torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)]))
-        taken = self.memory.take(x, target)  # the clean images, before x is mixed; kept once the mix succeeds
-        # params made here, valid by construction: _apply skips the value checks that read them back
-        src_x, src_t = (None, None) if source is None else source
-        mixed, packed = self.mixer._apply(x, target, params.to(x.device), src_x, src_t, fresh=fresh)
+            # reads the memory's counts: this call starts from an empty memory, which replaces the old one once the
+            # mix succeeds (a failed call leaves the old one in place)
+            kept, self.memory = self.memory, ClassMemory(self.num_classes, self.memory.size)
+        try:
+            params, guided, extra = self.sample(target, generator=generator)
+            source = None
+            if extra:
+                mem = torch.stack([self.memory.pick(c, generator) for c in extra]).to(x.device)
+                source = (torch.cat([x, mem]),
+                          torch.cat([target, torch.tensor(extra, dtype=target.dtype, device=target.device)]))
+            taken = self.memory.take(x, target)  # the clean images, before x is mixed; kept once the mix succeeds
+            # params made here, valid by construction: _apply skips the value checks that read them back
+            src_x, src_t = (None, None) if source is None else source
+            mixed, packed = self.mixer._apply(x, target, params.to(x.device), src_x, src_t, fresh=fresh)
+        except BaseException:
+            if kept is not None:
+                self.memory = kept
+            raise
         self.memory.commit(taken)
         n_guided = int(guided.sum())
         n_clean = int((params.mask.flatten(1).all(1) & ~guided).sum())

@@ -34,22 +34,41 @@ __all__ = ['PatchHead', 'PatchHeadModel', 'PositionwiseLinear', 'create_patchhea
 PREFIX = 'patchhead_'
 
 
-def region_weights(img_size: int, map_size: int, parts: int, device: Optional[torch.device] = None) -> torch.Tensor:
+def region_weights(img_size: int, map_size: int, parts: int, device: Optional[torch.device] = None,
+                   stride: int = 0) -> torch.Tensor:
     """Row-stochastic ``[parts, map_size]`` weights: part k averages the map pixels under image cell k, each pixel
     weighted by the length of its overlap with ``[b_k, b_{k+1})`` (image bounds of ``cell_bounds``).
 
+    Where the map comes from a patch embedding of ``stride`` pixels (``stride > 0``), map pixel i covers the image
+    pixels ``[i * stride, (i + 1) * stride)`` that exist: a token of padding past the image (timm's
+    ``dynamic_img_pad``) counts only its image pixels, and the pixels past the last token, which such an embedding
+    drops, belong to no token (a cell of those pixels alone takes the last token). Otherwise the map spans the image
+    evenly (``map_size / img_size`` map pixels per image pixel); both rules agree where ``stride * map_size`` is
+    ``img_size``.
+
     Made on ``device`` from ``arange`` arithmetic, so an accelerator never waits for a host copy in the forward."""
     # float64 tensor ops, exactly the Python float arithmetic of overlap = max(0, min(hi, i + 1) - max(lo, i))
-    scale = map_size / img_size
     b = bounds_tensor(img_size, parts, device).to(torch.float64)
-    lo, hi = (b[:-1] * scale)[:, None], (b[1:] * scale)[:, None]
     i = torch.arange(map_size, dtype=torch.float64, device=device)[None]
-    w = (torch.minimum(hi, i + 1.0) - torch.maximum(lo, i)).clamp(min=0.0)
+    if stride > 0:
+        lo, hi = b[:-1][:, None], b[1:][:, None]
+        start = i * stride
+        end = torch.clamp(start + stride, max=float(img_size))
+        w = (torch.minimum(hi, end) - torch.maximum(lo, start)).clamp(min=0.0)
+        last = (i == map_size - 1).to(torch.float64).expand(parts, map_size)
+        w = torch.where(w.sum(1, keepdim=True) > 0, w, last)
+    else:
+        scale = map_size / img_size
+        lo, hi = (b[:-1] * scale)[:, None], (b[1:] * scale)[:, None]
+        w = (torch.minimum(hi, i + 1.0) - torch.maximum(lo, i)).clamp(min=0.0)
     return (w / w.sum(1, keepdim=True)).float()
 
 
-def pool_regions(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int]) -> torch.Tensor:
-    """Area-weighted region means of ``feat [B, h, w, F]`` for an input of ``img_size``: ``[B, rows*cols, F]``."""
+def pool_regions(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int],
+                 stride: Tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Area-weighted region means of ``feat [B, h, w, F]`` for an input of ``img_size``: ``[B, rows*cols, F]``.
+    ``stride``: the image pixels per map pixel of a patch embedding, by rows and columns (see
+    :func:`region_weights`; ``(0, 0)``: the map spans the image evenly)."""
     b, h, w, f = feat.shape
     rows, cols = grid
     if h < rows or w < cols:
@@ -59,13 +78,15 @@ def pool_regions(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int])
             f"(for example output_stride=8, as in create_model('patchhead_resnet50', output_stride=8)), or one "
             f"of the CIFAR backbones such as 'patchhead_resnet32_cifar' (8x8 at 32x32)")
     H, W = img_size[0], img_size[1]
-    if H % rows == 0 and W % cols == 0 and h % rows == 0 and w % cols == 0:
+    spans = (stride[0] == 0 or stride[0] * h == H) and (stride[1] == 0 or stride[1] * w == W)
+    if spans and H % rows == 0 and W % cols == 0 and h % rows == 0 and w % cols == 0:
         # image and map both split into equal blocks: the weights reduce to plain block means
         out = feat.reshape(b, rows, h // rows, cols, w // cols, f).mean((2, 4))
     else:
         # one [cells, h*w] pooling matrix (outer product of the row and column weights), one batched matmul
-        wr = region_weights(H, h, rows, feat.device)
-        wc = wr if (W, w, cols) == (H, h, rows) else region_weights(W, w, cols, feat.device)
+        wr = region_weights(H, h, rows, feat.device, stride[0])
+        wc = wr if (W, w, cols, stride[1]) == (H, h, rows, stride[0]) else \
+            region_weights(W, w, cols, feat.device, stride[1])
         pool = (wr[:, None, :, None] * wc[None, :, None, :]).reshape(rows * cols, h * w).to(feat.dtype)
         out = torch.matmul(pool, feat.reshape(b, h * w, f))
     return out.reshape(b, rows * cols, f)
@@ -164,7 +185,9 @@ def patch_pool(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int], o
     """Region features ``[B, rows*cols, F]`` of a ``forward_features`` output (see :func:`feature_map_nhwc`)."""
     fmap = feature_map_nhwc(feat, img_size, output_fmt, num_features, num_prefix_tokens, patch_size,
                             feature_ratio, dynamic_pad, token_grid)
-    return pool_regions(fmap, img_size, grid)
+    # tokens of a patch embedding cover whole patches: where the input is no multiple of them, not the image evenly
+    stride = (patch_size[0] * feature_ratio[0], patch_size[1] * feature_ratio[1]) if patch_size[0] > 0 else (0, 0)
+    return pool_regions(fmap, img_size, grid, stride)
 
 
 # FX leaves: shapes decide the layout and the pooling, which a symbolic trace cannot branch on
@@ -509,10 +532,11 @@ def _check_token_order(backbone: nn.Module) -> None:
     """Refuse a backbone whose final tokens are not its image grid in reading order, which the patch head lays out
     and pools by position: patch dropout (tokens dropped at random in training, timm's ``patch_drop_rate``), and a
     Hiera whose ``q_pool`` leaves unroll steps unconsumed (its ``forward_features`` tokens stay in unrolled order)."""
-    from timm.layers import PatchDropout
+    from timm.layers import PatchDropout, PatchDropoutWithIndices
     arch = type(backbone).__name__
     rate = float(getattr(backbone, 'patch_drop_rate', 0.0) or 0.0)
-    rate = max([rate] + [float(m.prob) for m in backbone.modules() if isinstance(m, PatchDropout)])
+    rate = max([rate] + [float(m.prob) for m in backbone.modules()
+                         if isinstance(m, (PatchDropout, PatchDropoutWithIndices))])
     if rate > 0:
         raise ValueError(f'{arch} with patch_drop_rate={rate:g} drops its tokens at random in training, so its final '
                          f'map holds no image grid for the patch head to pool by region; build it with '
