@@ -117,10 +117,21 @@ def test_half_mixup_mode_off_the_collate_path_is_refused(path):
     assert TrainConfig(mixup=0.2, mixup_mode='half').mixup_mode == 'half'  # the loader's collate mixer has it
 
 
+@pytest.mark.parametrize('mixing', [dict(mixup=0.2), dict(cutmix=1.0), dict(cutmix=1.0, mixup_mode='pair')])
+def test_an_odd_batch_with_timms_mixup_is_a_usage_error(mixing):
+    """timm's Mixup and FastCollateMixup assert an even batch at the first one: a traceback after the data and the
+    model were built. PatchMix takes odd batches (pair mode leaves the odd one out)."""
+    with pytest.raises(ConfigError, match="15 is odd, and timm's Mixup/CutMix") as e:
+        TrainConfig(batch_size=15, **mixing)
+    assert e.value.flag == '-b/--batch-size'
+    assert TrainConfig(batch_size=16, **mixing).batch_size == 16
+    assert TrainConfig(batch_size=15, patchmix=True, patchmix_mode='pair').batch_size == 15
+
+
 def test_contradicting_flags_exit_2(capsys):
     for argv in (['--patchmix', '--mixup', '0.2'], ['--patchmix', '--mixup-off-epoch', '1'],
                  ['--mixup', '0.2', '--mixup-mode', 'half', '--no-prefetcher'],
-                 ['--patchmix-table', 'masks.json']):
+                 ['--patchmix-table', 'masks.json'], ['--cutmix', '1', '-b', '7']):
         with pytest.raises(SystemExit) as e:
             train_cli.resolve_args(argv)
         assert e.value.code == 2, argv

@@ -444,6 +444,10 @@ class TrainConfig:
         if self.patchmix and self.mixup_off_epoch:
             raise ConfigError(f'it stops --mixup/--cutmix; PatchMix stops at --patchmix-off-epoch '
                               f'(give --patchmix-off-epoch {self.mixup_off_epoch} instead)', '--mixup-off-epoch')
+        if self.mixup_active and self.batch_size is not None and self.batch_size % 2:
+            raise ConfigError(f'{self.batch_size} is odd, and timm\'s Mixup/CutMix (--mixup/--cutmix) mix each image '
+                              f'with the batch\'s reversed order, which needs an even batch (timm\'s mixers assert '
+                              f'it at the first batch); give an even -b', '-b/--batch-size')
         if self.mixup_active and self.mixup_mode == 'half' and (self.device_data or self.no_prefetcher):
             raise ConfigError(f'half is a mode of the loader\'s collate mixer (timm\'s '
                               f'FastCollateMixup), which {"--device-data" if self.device_data else "--no-prefetcher"} '
