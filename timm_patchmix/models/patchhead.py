@@ -185,10 +185,13 @@ def patch_pool(feat: torch.Tensor, img_size: List[int], grid: Tuple[int, int], o
     """Region features ``[B, rows*cols, F]`` of a ``forward_features`` output (see :func:`feature_map_nhwc`)."""
     fmap = feature_map_nhwc(feat, img_size, output_fmt, num_features, num_prefix_tokens, patch_size,
                             feature_ratio, dynamic_pad, token_grid)
-    # tokens laid out by the patch embedding's grid cover whole patches (where the input is no multiple of them, not
-    # the image evenly); a 4-d map (a CNN's, Swin's after its merges) is at a stride of its own
-    stride = (patch_size[0] * feature_ratio[0], patch_size[1] * feature_ratio[1]) \
-        if patch_size[0] > 0 and feat.dim() == 3 else (0, 0)
+    # a map on the patch embedding's grid (a ViT's tokens, SAM-ViT's 4-d map) covers whole patches: where the input is
+    # no multiple of them, not the image evenly; a map at a stride of its own (a CNN's, Swin's after its merges) does
+    stride = (0, 0)
+    if patch_size[0] > 0:
+        on_grid = image_token_grid(img_size, patch_size, feature_ratio, dynamic_pad)
+        if fmap.shape[1] == on_grid[0] and fmap.shape[2] == on_grid[1]:
+            stride = (patch_size[0] * feature_ratio[0], patch_size[1] * feature_ratio[1])
     return pool_regions(fmap, img_size, grid, stride)
 
 
