@@ -243,6 +243,12 @@ def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
      ['model resnet18 cannot be built with output_stride=7', 'assert output_stride in (8, 16, 32)']),
     (['--model', 'patchhead_resnet18', '--model-kwargs', 'output_stride=7'], '--model-kwargs',
      ['model patchhead_resnet18 cannot be built with output_stride=7', 'AssertionError']),
+    # a ViT of a fixed size: timm's assertion at the first batch (the patch head's check let it through as well)
+    (['--model', 'test_vit3', '--img-size', '32'], '--img-size',
+     ["test_vit3 cannot take an input of 32x32 (AssertionError: Input height (32) doesn't match model (160).)",
+      '--model-kwargs img_size=32']),
+    (['--model', 'patchhead_test_vit3', '--input-size', '3', '32', '32'], '--input-size',
+     ['patchhead_test_vit3 cannot take an input of 32x32']),
 ])
 def test_model_settings_that_contradict_or_cannot_build(capsys, tmp_path, extra, flag, names):
     expect_usage_error(capsys, train.cli, TINY + ['--output', str(tmp_path), '--experiment', 'kw'] + extra, *names,

@@ -115,7 +115,7 @@ def test_fine_tune_with_train_py_from_a_hub_folder(trained, tmp_path):
     res = train_main(common + ['--model', f'local-dir:{folder}', '--pretrained', '--experiment', 'pre'])
     state, meta = load_weights(os.path.join(res['output'], 'best.safetensors'))
     assert meta['model'] == 'patchhead_resnet32_cifar' and meta['num_classes'] == 3
-    assert meta['model_kwargs'] == {'grid': [4, 4], 'per_position': False, 'in_chans': 3}
+    assert meta['model_kwargs'] == {'grid': [4, 4], 'per_position': False, 'in_chans': 3, 'drop_rate': 0.0}
     assert state['patch_head.fc.weight'].shape == (3, 64)
     reloaded, _ = hub.model_from_weights(os.path.join(res['output'], 'best.safetensors'))
     assert reloaded.num_classes == 3
@@ -858,3 +858,18 @@ def test_hub_fixes_method_repo_id_num_classes_and_a_plain_architecture(trained, 
                                               r"but its model_args carry \['grid', 'per_position'\]"):
         hub.load_model(f'local-dir:{folder}')
     assert hub.main(['backbone', f'local-dir:{folder}', '--output', str(tmp_path / 'b.safetensors')]) == 2
+
+
+def test_drop_zero_applies_to_a_hub_model_whose_config_records_a_rate(tmp_path):
+    """timm's train.py passes --drop always; here a hub folder's recorded drop_rate (0.4) stayed at --drop 0 (the
+    default), while args.yaml said 0.0."""
+    res = train_main(TINY + ['--output', str(tmp_path), '--experiment', 'dr', '--model', 'patchhead_resnet8_cifar',
+                             '--patchmix', '--drop', '0.4'])
+    folder = hub.export_folder(os.path.join(res['output'], 'best.safetensors'), str(tmp_path / 'hub'))
+    assert json.load(open(os.path.join(folder, 'config.json')))['model_args']['drop_rate'] == 0.4
+    for extra, want in (([], 0.0), (['--drop', '0'], 0.0), (['--drop', '0.3'], 0.3),
+                        (['--model-kwargs', 'drop_rate=0.2'], 0.2)):
+        out = train_main(TINY + ['--output', str(tmp_path), '--experiment', f'ft{len(extra)}{want}', '--model',
+                                 f'local-dir:{folder}', '--pretrained', '--patchmix'] + extra)
+        _, meta = load_weights(os.path.join(out['output'], 'last.safetensors'))
+        assert meta['model_kwargs']['drop_rate'] == want, extra

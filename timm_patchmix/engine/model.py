@@ -62,6 +62,10 @@ def _model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
         kwargs['drop_path_rate'] = cfg.drop_path
     if cfg.drop:
         kwargs['drop_rate'] = cfg.drop
+    elif cfg.model.startswith(SOURCES):
+        # timm's train.py passes --drop always: its default, 0, replaces a rate that the folder's config records
+        # (the model's own default elsewhere is 0 too, for the builders that would refuse the argument)
+        kwargs.setdefault('drop_rate', 0.0)
     for key in _FLAG_KWARGS:  # the same key in --model-kwargs is refused by TrainConfig
         value = getattr(cfg, KWARG_FLAGS[key][2:].replace('-', '_'))  # the TrainConfig field of the flag
         if value is not None:
@@ -236,6 +240,8 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
         except ValueError as e:
             raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} does not fit the input '
                                   f'{input_size[1]}x{input_size[2]}: {e}') from None
+    if cfg.img_size is not None or cfg.input_size is not None:
+        _check_input_size(cfg, model, input_size, device)
     if not cfg.patch_head:
         return
     was = model.training
@@ -246,6 +252,24 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
     except ValueError as e:
         raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} on {cfg.model} at input '
                               f'{input_size[1]}x{input_size[2]}: {e}') from None
+    finally:
+        model.train(was)
+
+
+def _check_input_size(cfg: TrainConfig, model: nn.Module, input_size, device) -> None:
+    """``--img-size``/``--input-size``: the model takes an input of that size (a ViT of a fixed size asserts its
+    own at the first batch, after the run's files are written)."""
+    flag = '--input-size' if cfg.input_size is not None else '--img-size'
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_size, device=device))
+    except (AssertionError, RuntimeError, ValueError) as e:
+        raise ConfigError(f'{cfg.model} cannot take an input of {input_size[1]}x{input_size[2]} '
+                          f'({type(e).__name__}: {e}); a model of a fixed input size is built for another with '
+                          f'--model-kwargs img_size={input_size[1]} where its builder takes img_size (or '
+                          f'dynamic_img_size=True)', flag) from None
     finally:
         model.train(was)
 
