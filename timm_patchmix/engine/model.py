@@ -231,6 +231,8 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
         raise TrainSetupError(f'--mixup/--cutmix give no per-cell labels for the patch head of {cfg.model}; train '
                               f'the plain backbone for those baselines')
     input_size = cfg.data_config.input_size
+    if cfg.img_size is not None or cfg.input_size is not None:  # (before --gp's check, which would blame the pooling)
+        _check_input_size(cfg, model, input_size, device)
     if cfg.gp is not None:
         _check_pooling(cfg, model, input_size, device)
     if cfg.patchmix:  # the mixer's cells, also where no patch head sees them (image-level PatchMix)
@@ -240,54 +242,49 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
         except ValueError as e:
             raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} does not fit the input '
                                   f'{input_size[1]}x{input_size[2]}: {e}') from None
-    if cfg.img_size is not None or cfg.input_size is not None:
-        _check_input_size(cfg, model, input_size, device)
     if not cfg.patch_head:
         return
+    try:
+        _eval_output(model, input_size, device, 'forward_patches')
+    except ValueError as e:
+        raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} on {cfg.model} at input '
+                              f'{input_size[1]}x{input_size[2]}: {e}') from None
+
+
+def _eval_output(model: nn.Module, input_size, device, method: str = 'forward'):
+    """``model.<method>`` in eval mode on one zero image of ``input_size`` (the model's mode restored after)."""
     was = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model.forward_patches(torch.zeros(1, *input_size, device=device))
-    except ValueError as e:
-        raise TrainSetupError(f'--patchmix-grid {cfg.grid[0]}x{cfg.grid[1]} on {cfg.model} at input '
-                              f'{input_size[1]}x{input_size[2]}: {e}') from None
+            return getattr(model, method)(torch.zeros(1, *input_size, device=device))
     finally:
         model.train(was)
 
 
 def _check_input_size(cfg: TrainConfig, model: nn.Module, input_size, device) -> None:
     """``--img-size``/``--input-size``: the model takes an input of that size (a ViT of a fixed size asserts its
-    own at the first batch, after the run's files are written)."""
-    flag = '--input-size' if cfg.input_size is not None else '--img-size'
-    was = model.training
-    model.eval()
+    own at the first batch, after the run's files are written). The features alone, so a pooling of --gp that
+    fails is named by its own check."""
     try:
-        with torch.no_grad():
-            model(torch.zeros(1, *input_size, device=device))
+        _eval_output(model, input_size, device, 'forward_features')
     except (AssertionError, RuntimeError, ValueError) as e:
         raise ConfigError(f'{cfg.model} cannot take an input of {input_size[1]}x{input_size[2]} '
                           f'({type(e).__name__}: {e}); a model of a fixed input size is built for another with '
                           f'--model-kwargs img_size={input_size[1]} where its builder takes img_size (or '
-                          f'dynamic_img_size=True)', flag) from None
-    finally:
-        model.train(was)
+                          f'dynamic_img_size=True)', '--input-size' if cfg.input_size is not None else '--img-size'
+                          ) from None
 
 
 def _check_pooling(cfg: TrainConfig, model: nn.Module, input_size, device) -> None:
     """``--gp``: the model gives one row of logits per image (a pooling of ``''`` leaves timm's CNNs a feature
     map their classifier cannot take)."""
-    was = model.training
-    model.eval()
     try:
-        with torch.no_grad():
-            out = model(torch.zeros(1, *input_size, device=device))
+        out = _eval_output(model, input_size, device)
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
         problem = None if shape == (1, cfg.num_classes) else f'it gives outputs of shape {shape}'
     except (RuntimeError, AssertionError, ValueError) as e:
         problem = f'{type(e).__name__}: {e}'
-    finally:
-        model.train(was)
     if problem is not None:
         raise ConfigError(f'{cfg.model} with the global pooling {cfg.gp!r} gives no logits of '
                           f'{cfg.num_classes} classes per image ({problem})', '--gp')

@@ -24,7 +24,7 @@ from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_s
                           temp_dir)
 from ..data import DATA_CONFIG_KEYS, channel_matched, dataset_label
 from ..settings import file_record
-from .card import model_card as _model_card, read_results as _results, read_summary as _summary
+from .card import model_card as _model_card, read_results as _results, read_summary as _summary, training_method
 from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
                    backbone_state_dict, export_backbone, load_backbone, load_model, model_from_weights)
@@ -87,9 +87,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = channel_matched({k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)})
     metrics, results = _summary(checkpoint), _results(checkpoint)
-    # the card's method, by the same rule: a model trained without --patchmix is no Random PatchMix model
-    method = 'guided' if trained_with else ('random' if (meta.get('patchmix') or {}).get('enabled') else 'none')
-    model_config = {'timm_patchmix': {'method': method,
+    model_config = {'timm_patchmix': {'method': training_method(meta),
                                       'grid': list(model.grid),
                                       'dataset': dataset_label(data.get('dataset') or '', data.get('data_dir') or ''),
                                       'metrics': metrics, 'test_metrics': results, 'command': meta.get('command'),

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 from ..checkpoint import CheckpointError
 
-__all__ = ['model_card', 'read_summary', 'read_results']
+__all__ = ['model_card', 'read_summary', 'read_results', 'training_method']
 
 
 def read_summary(checkpoint: str) -> Optional[Dict[str, Any]]:
@@ -56,6 +56,13 @@ def read_results(checkpoint: str) -> Optional[Dict[str, Any]]:
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError(f'{path}: not a results.json as train.py writes it ({type(e).__name__}: {e})') from None
     return out
+
+
+def training_method(meta: Dict[str, Any]) -> str:
+    """``'guided'``, ``'random'`` or ``'none'``: how the checkpoint of ``meta`` trained (a mask table it recorded
+    makes it Guided PatchMix, whatever table is shipped with it; ``--patchmix`` without one, Random PatchMix)."""
+    pm = meta.get('patchmix') or {}
+    return 'guided' if pm.get('table') else ('random' if pm.get('enabled') else 'none')
 
 
 def _whose(epoch: Optional[int], best: Optional[int], final: Optional[int]) -> str:
@@ -129,10 +136,11 @@ def model_card(repo_id: str, arch: str, meta: Dict[str, Any], metrics: Optional[
     data = channel_matched(meta.get('data') or {})  # (the values a greyscale run normalised with, as config.json)
     dataset = dataset_label(data.get('dataset') or '', data.get('data_dir') or '')
     pm = meta.get('patchmix') or {}
-    guided = bool(pm.get('table'))  # the method is the checkpoint's, whatever table is shipped with it
+    kind = training_method(meta)  # the checkpoint's, whatever table is shipped with it
+    guided = kind == 'guided'
     if trained_on_table is None:
         trained_on_table = guided
-    method = 'Guided PatchMix' if guided else ('Random PatchMix' if pm.get('enabled') else 'no PatchMix')
+    method = {'guided': 'Guided PatchMix', 'random': 'Random PatchMix', 'none': 'no PatchMix'}[kind]
     lines = [
         '---', 'library_name: timm', 'license: apache-2.0', 'pipeline_tag: image-classification',
         'tags:', '- image-classification', '- timm', '- timm_patchmix', '- patchmix', '---', '',
