@@ -297,6 +297,8 @@ def test_lr_noise_is_bounded_seeded_and_only_where_asked():
     (['--sched', 'rsqrt', '--epochs', '3', '--warmup-epochs', '1', '--decay-epochs', '0.2'],
      '(0.2 of 2, 0 epochs) of the 2 epochs after the warmup'),  # (timm rounds a fraction to whole epochs)
     (['--sched', 'rsqrt', '--epochs', '5', '--warmup-epochs', '5'], 'leaves no epochs after the warmup'),
+    # plateau steps on the eval metric once an epoch (timm's factory asserted it once the data and model were built)
+    (['--sched', 'plateau', '--sched-on-updates'], '--sched plateau steps once an epoch'),
     (['--sched', 'rsqrt', '--epochs', '5', '--warmup-epochs', '1', '--decay-epochs', '4.6'],
      'it must come to between 1 and 4 whole epochs'),
 ])

@@ -180,6 +180,37 @@ def test_two_process_ddp_gloo(tmp_path, accum, ema):
     assert ev['eval_loss'] == pytest.approx(float(rows[-1]['eval_loss']), rel=2e-7, abs=2e-6)
 
 
+TWICE_DRIVER = """
+import os, sys, time
+from timm_patchmix.engine import train
+from timm_patchmix.train import parse_config
+out, flags = sys.argv[1], sys.argv[2:]
+for name in ('one', 'two'):
+    if name == 'two' and os.environ['RANK'] == '1':
+        time.sleep(3)  # one process late to the second run, as on a busy machine
+    result = train(parse_config(flags + ['--output', out, '--experiment', name]))
+    print(name, 'done', len(result.rows), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_process_ddp_trains_twice_in_one_process(tmp_path):
+    """The Python API under torchrun: the group the first train() started serves the second (a second group on
+    torchrun's store failed in gloo)."""
+    driver = tmp_path / 'twice.py'
+    driver.write_text(TWICE_DRIVER)
+    torchrun = os.path.join(os.path.dirname(sys.executable), 'torchrun')
+    cmd = [torchrun, '--standalone', '--nproc_per_node', '2', str(driver), str(tmp_path), *TINY, '--epochs', '1',
+           '--device', 'cpu']
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=PYPATH, OMP_NUM_THREADS='1'),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('one done 1') == 2 and proc.stdout.count('two done 1') == 2, proc.stdout[-2000:]
+    rows = [read_csv(os.path.join(tmp_path, name, 'summary.csv')) for name in ('one', 'two')]
+    strip = [[{k: v for k, v in r.items() if k != 'img_s'} for r in rs] for rs in rows]
+    assert strip[0] == strip[1]  # the same flags and seed: the same run
+
+
 @pytest.mark.slow
 def test_two_process_ddp_stops_every_rank_on_a_busy_folder(tmp_path):
     """Another run holds the folder: both ranks stop with the one message, before any training step."""

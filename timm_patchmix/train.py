@@ -152,8 +152,9 @@ def _augment_flags(g) -> None:
     g.add_argument('--train-interpolation', default=None, choices=CHOICES['train_interpolation'],
                    help="training resize interpolation (default random; as --scale)")
     g.add_argument('--aug-repeats', type=VALUE_TYPES['aug_repeats'], default=0, metavar='N',
-                   help="repeated augmentation (timm's RepeatAugSampler, as in DeiT): each image drawn N times an "
-                        "epoch, each copy augmented on its own, the epoch as long as without (0: off; N >= 1)")
+                   help="repeated augmentation (timm's RepeatAugSampler, as in DeiT): each image drawn comes N times, "
+                        "each copy augmented on its own, the epoch as long as without (so about 1/N of the images "
+                        "an epoch; 0: off; N >= 1)")
 
 
 def _optimizer_flags(g) -> None:

@@ -409,6 +409,8 @@ class TrainConfig:
                               '--cutmix-minmax')
         if self.sched == 'rsqrt':
             self._check_rsqrt()
+        if self.sched == 'plateau' and self.sched_on_updates:  # (timm's factory asserts this once all is built)
+            raise ConfigError('--sched plateau steps once an epoch, on the eval metric; drop --sched-on-updates')
         ms = list(self.decay_milestones or ())
         if any(b < a for a, b in zip(ms, ms[1:])):  # timm's multistep bisects them: out of order, they misfire
             raise ConfigError(f'milestones must be epochs in increasing order, got {ms}', '--decay-milestones')

@@ -1,6 +1,7 @@
 """The process a run trains in: its device and place among DDP processes, sums over them, and the seeds."""
 from __future__ import annotations
 
+import atexit
 import types
 from dataclasses import dataclass
 from typing import List, Optional
@@ -16,7 +17,7 @@ __all__ = ['Runtime', 'init_runtime', 'release_runtime', 'reduce_sum', 'seed_all
 @dataclass(frozen=True)
 class Runtime:
     """Where this process trains: its device, its rank among ``world_size`` processes, and whether this run
-    started the process group (and so ends it)."""
+    started the process group (which then ends when the process exits)."""
     device: torch.device
     rank: int = 0
     local_rank: int = 0
@@ -57,10 +58,27 @@ def init_runtime(device: Optional[str] = None) -> Runtime:
 
 
 def release_runtime(rt: Runtime, finished: bool) -> None:
-    """End the process group this run started; after a finished run, once every process has arrived."""
+    """After a finished run, wait until every process has arrived. A process group this run started stays for the
+    process's later runs (torchrun's store cannot host a second one: gloo would read the first group's addresses)
+    and ends when the process exits."""
     if rt.owns_group and dist.is_initialized():
         if finished:
             dist.barrier()
+        end_group_at_exit()
+
+
+_END_AT_EXIT = []
+
+
+def end_group_at_exit() -> None:
+    """End the process group, if one is still up, when the process exits (registered once)."""
+    if not _END_AT_EXIT:
+        atexit.register(_end_group)
+        _END_AT_EXIT.append(True)
+
+
+def _end_group() -> None:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -125,11 +125,14 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> SearchConfig:
 
 
 def _distributed(cfg: SearchConfig) -> SearchConfig:
-    """Under torchrun (WORLD_SIZE > 1), join the process group; on CUDA each rank takes its LOCAL_RANK device."""
+    """Under torchrun (WORLD_SIZE > 1), join the process group (started here if none is up, and then ended when
+    the process exits); on CUDA each rank takes its LOCAL_RANK device."""
     if int(os.environ.get('WORLD_SIZE', '1')) <= 1 or dist.is_initialized():
         return cfg
+    from ..engine.runtime import end_group_at_exit
     use_cuda = torch.cuda.is_available() and (cfg.device or 'cuda').startswith('cuda')
     dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
+    end_group_at_exit()  # kept for the process's later searches and runs, as train() keeps the one it starts
     return cfg.replace(device=f'cuda:{int(os.environ.get("LOCAL_RANK", "0"))}') if use_cuda else cfg
 
 
@@ -150,7 +153,6 @@ def main(argv: Optional[List[str]] = None) -> MaskTable:
               f'{result.table_path}')
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
     return result.table
 
 
