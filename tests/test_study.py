@@ -81,6 +81,20 @@ def test_full_task_graph_matches_the_study_design():
     assert tasks['rpm_batch/s0'].spec['flags'][-2:] == ['--patchmix-mode', 'batch']
 
 
+def test_a_learning_curve_size_of_the_training_subset_is_bases_own_run(tmp_path):
+    """lc_sizes holding --train-subset: no base_n<size> task (it trained a second Base run the report never read);
+    the curve's row for that size is Base's."""
+    cfg = dict(study.QUICK, lc_sizes=[48, study.QUICK['train_subset']])
+    tasks = study.build_tasks(cfg)
+    assert [n for n in tasks if n.startswith('base_n')] == ['base_n48/s0']
+    out = str(tmp_path / 'study')
+    for name, top1 in (('base/s0', 30.0), ('base_n48/s0', 20.0)):
+        _record(out, name, method=name.split('/')[0], seed=0, final_top1=top1, best_top1=top1,
+                rows=[{'epoch': 0, 'train_loss': top1 / 10, 'eval_loss': 1.0, 'eval_top1': top1}])
+    text = study.report(out, cfg, tasks, quick=True)
+    assert '| 48 | 20.00 | 0.00 | 2.000 |' in text and '| 96 | 30.00 | 0.00 | 3.000 |' in text
+
+
 def _read(path):
     with open(path, encoding='utf-8') as f:
         return f.read()
@@ -315,7 +329,12 @@ def test_the_report_states_the_images_the_runs_used(tmp_path):
     # the keys there, of another type: the report computed with them and failed with a traceback
     ('{"wall_s": 1, "final_top1": "8.3", "best_top1": 1, "rows": []}', "final_top1 must be a number, got '8.3'"),
     ('{"wall_s": 1, "final_top1": 1, "best_top1": null, "rows": []}', 'best_top1 must be a number, got None'),
-    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": 5}', 'rows must be a list of objects, got 5'),
+    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": 5}', 'rows must be a non-empty list of epoch rows'),
+    # no rows, or rows without a loss: the report read the last row's train_loss (IndexError, KeyError)
+    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": []}',
+     'rows must be a non-empty list of epoch rows, each with a number for train_loss and eval_top1, got []'),
+    ('{"wall_s": 1, "final_top1": 1, "best_top1": 1, "rows": [{"eval_top1": 1}]}',
+     'rows must be a non-empty list of epoch rows'),
     ('{"wall_s": "x", "final_top1": 1, "best_top1": 1, "rows": []}', "wall_s must be a number, got 'x'")])
 @pytest.mark.parametrize('flags', [['--list'], ['--report'], ['--tasks', 'base/s0']])
 def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, content, why, flags):

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
 from .cli_types import backbone_name, directory
 from .locking import FolderBusyError, hold_folder
-from .settings import (INTERRUPTED, INTEGER, NUMBER, OBJECT, OBJECTS, USAGE_ERROR, SettingsChangedError, check_settings,
+from .settings import (INTERRUPTED, INTEGER, NUMBER, OBJECT, USAGE_ERROR, SettingsChangedError, check_settings,
                        read_record, read_settings, write_settings)
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
@@ -152,7 +152,8 @@ def build_tasks(cfg: Dict[str, Any]) -> Dict[str, Task]:
             train(name, s, flags, table_from=f'{search}/s{s}')
     s0 = cfg['main_seeds'][0]
     for n in cfg['lc_sizes']:
-        train(f'base_n{n}', s0, ['--model', model], train_subset=n)
+        if n != cfg['train_subset']:  # (that size is Base's own run, which the curve reads)
+            train(f'base_n{n}', s0, ['--model', model], train_subset=n)
     ks = cfg['k_sweep']
     same = (ks['population'], ks['generations']) == (cfg['search']['population'], cfg['search']['generations'])
     for k in ks['ks']:
@@ -208,8 +209,12 @@ class TaskRecordError(RuntimeError):
     folder to delete so that a rerun runs that task again."""
 
 
+# a train task's epoch rows as the report and figures read them: one or more, each with its loss and top-1
+EPOCH_ROWS = (lambda v: isinstance(v, list) and len(v) > 0 and all(
+    isinstance(r, dict) and NUMBER[0](r.get('train_loss')) and NUMBER[0](r.get('eval_top1')) for r in v),
+    'a non-empty list of epoch rows, each with a number for train_loss and eval_top1')
 # what the report reads from each kind of task's record, besides its wall time, and of which kind
-RECORD_KEYS = {'train': {'final_top1': NUMBER, 'best_top1': NUMBER, 'rows': OBJECTS},
+RECORD_KEYS = {'train': {'final_top1': NUMBER, 'best_top1': NUMBER, 'rows': EPOCH_ROWS},
                'search': {'best_fitness': NUMBER}, 'generalise': {'mean': OBJECT, 'genes': INTEGER}, 'export': {}}
 
 
@@ -519,7 +524,8 @@ def report(out: str, cfg: Dict[str, Any], tasks: Dict[str, Task], quick: bool) -
               'Mean score (patch accuracy, lower = harder) over the table\'s genes of the chosen masks and of random '
               'masks of the same class pairs, on the search\'s own K image pairs and on fresh pairs; gap = random − '
               'chosen; retained = fresh gap / search gap. Random masks as Random PatchMix draws them, and (matched) '
-              'with the chosen mask\'s number of partner cells at random positions.', '',
+              'with the chosen mask\'s number of partner cells at random positions. Search wall s: the invocation that '
+              'finished the search.', '',
               '| K | genes | chosen (search) | chosen (fresh) | random (search) | random (fresh) | gap search | '
               'gap fresh | retained | matched: gap fresh | matched: retained | search wall s |',
               '|---|---|---|---|---|---|---|---|---|---|---|---|']
@@ -549,7 +555,8 @@ def report(out: str, cfg: Dict[str, Any], tasks: Dict[str, Task], quick: bool) -
         lines.append(f'| {label} | {_fmt(lp)} | {_fmt(ft)} |')
     walls = [r['wall_s'] for v in runs.values() for r in v.values()] + [r['wall_s'] for r in other.values()]
     lines += ['', f'Tasks finished: {sum(len(v) for v in runs.values()) + len(other)} of {len(tasks)}; their wall '
-              f'times add up to {sum(walls) / 60:.1f} min (tasks run side by side with --jobs overlap).']
+              f'times add up to {sum(walls) / 60:.1f} min (tasks run side by side with --jobs overlap; a task '
+              f'stopped and resumed counts from its resume).']
     text = '\n'.join(lines) + '\n'
     figures(out, cfg, runs, table)
     atomic_write_text(os.path.join(out, 'report.md'), text)
