@@ -238,6 +238,9 @@ def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
      ['in_chans=1 differs from the 3 channels', 'give --in-chans 1']),
     (['--in-chans', '1', '--input-size', '3', '32', '32'], '--in-chans',
      ['--in-chans 1 and --input-size 3 32 32 name different channel counts']),
+    # images load as greyscale or RGB: 4 (or 2) channels passed every check and failed mid-epoch (a broadcast error)
+    (['--in-chans', '4'], '--in-chans', ['images load as greyscale (1 channel) or RGB (3)', 'cannot have 4 channels']),
+    (['--input-size', '2', '32', '32'], '--input-size', ['cannot have 2 channels']),
     # a builder's assertion without a message (timm's ResNet: assert output_stride in (8, 16, 32))
     (['--model', 'resnet18', '--model-kwargs', 'output_stride=7'], '--model-kwargs',
      ['model resnet18 cannot be built with output_stride=7', 'assert output_stride in (8, 16, 32)']),
@@ -254,6 +257,22 @@ def test_model_settings_that_contradict_or_cannot_build(capsys, tmp_path, extra,
     expect_usage_error(capsys, train.cli, TINY + ['--output', str(tmp_path), '--experiment', 'kw'] + extra, *names,
                        flag=flag)
     assert not os.path.exists(tmp_path / 'kw'), 'stopped before the run folder is made'
+
+
+def test_a_model_of_other_input_channels_is_refused_before_the_run(tmp_path, capsys):
+    """A local-dir: model built for 4-channel inputs, with no flag naming channels: its data config asks for 4,
+    which images cannot give (it failed mid-epoch); one error line, no run folder."""
+    import timm
+    from timm.models import save_for_hf
+    m = timm.create_model('resnet8_cifar', in_chans=4, num_classes=10)
+    m.pretrained_cfg = dict(m.pretrained_cfg, input_size=(4, 32, 32))
+    save_for_hf(m, str(tmp_path / 'four'), model_args={'in_chans': 4})
+    with pytest.raises(SystemExit) as e:
+        train.cli(TINY + ['--model', f'local-dir:{tmp_path / "four"}', '--pretrained', '--output', str(tmp_path),
+                          '--experiment', 'run'])
+    assert 'takes 4-channel inputs, and images load as greyscale (1 channel) or RGB (3); give --in-chans 1 or 3' in \
+        str(e.value.code)
+    assert 'Traceback' not in capsys.readouterr().err and not os.path.exists(tmp_path / 'run')
 
 
 def test_model_kwargs_without_the_flag_still_reach_the_model():

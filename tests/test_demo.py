@@ -89,6 +89,33 @@ def test_guided_samples_of_a_folder_whose_validation_split_lacks_a_class(tmp_pat
     assert os.path.getsize(tmp_path / 'g.png') > 0
 
 
+def test_guided_samples_take_a_class_the_validation_split_lacks_from_the_training_split(tmp_path, monkeypatch):
+    """A search that scored the training split (the pipeline's --holdout) may pair a class the validation folder
+    lacks: its image comes from the training split (a KeyError before)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from timm_patchmix import viz
+    from timm_patchmix.table import MaskTable, dataset_fingerprint
+    colour = {'a': (200, 0, 0), 'b': (0, 200, 0), 'c': (0, 0, 200)}
+    for split, classes in (('train', 'abc'), ('validation', 'ac')):
+        for c in classes:
+            os.makedirs(tmp_path / 'data' / split / c)
+            Image.new('RGB', (8, 8), colour[c]).save(tmp_path / 'data' / split / c / '0.png')
+    table = MaskTable((2, 2), 3, ['a', 'b', 'c'], dataset_fingerprint('', ['a', 'b', 'c']), [(0, 1)],
+                      [np.array([[True, False], [False, True]])], [0.5], 0.5)
+    table.save(str(tmp_path / 'masks.json'))
+    drawn = []
+    real = viz.render_grid
+    monkeypatch.setattr(viz, 'render_grid', lambda images, partners, *a, **k: (
+        drawn.append((images, partners)), real(images, partners, *a, **k))[1])
+    viz.render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(tmp_path / 'g.png'), n=1)
+    images, partners = drawn[0]
+    assert torch.equal(images[0], torch.tensor(colour['a'], dtype=torch.uint8).view(3, 1, 1).expand(3, 8, 8))
+    assert torch.equal(partners[0], torch.tensor(colour['b'], dtype=torch.uint8).view(3, 1, 1).expand(3, 8, 8))
+    assert os.path.getsize(tmp_path / 'g.png') > 0
+
+
 def test_a_number_of_samples_no_picture_holds_is_a_usage_error(tmp_path, capsys):
     """--num 100000 built every image at once and was killed for memory (22 GB); it now exits 2 naming the bound
     before anything is built or written."""

@@ -166,10 +166,21 @@ def render_grid(images, partners, mixed, mask, labels: Sequence[int], partner_la
     return canvas
 
 
+def _positions_by_class(ds) -> Dict[int, List[int]]:
+    """The positions in ``ds`` of each class's images."""
+    labels = [int(ds.base.targets[q]) for q in ds.indices] if hasattr(ds.base, 'targets') else \
+        [int(ds[q][1]) for q in range(len(ds))]
+    by_class: Dict[int, List[int]] = {}
+    for pos, c in enumerate(labels):
+        by_class.setdefault(c, []).append(pos)
+    return by_class
+
+
 def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: str, n: int = 8, seed: int = 0
                           ) -> None:
-    """A PNG of guided samples: for the table's first ``n`` pairs, a validation image of each class, their mix
-    under the pair's mask (the first class's image kept where the mask is white), and the lambda-weighted label."""
+    """A PNG of guided samples: for the table's first ``n`` pairs, a validation image of each class (a training
+    image for a class the validation split lacks), their mix under the pair's mask (the first class's image kept
+    where the mask is white), and the lambda-weighted label."""
     from torchvision.transforms.functional import pil_to_tensor
     from .data import build_dataset
     from .mix import PatchMix, PatchMixParams, split_target
@@ -186,18 +197,24 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     if not names:  # (a table that names no classes: checked against the validation split's)
         table = MaskTable.load(table_path, num_classes=len(ds.classes) if ds.classes else None,
                                fingerprint=dataset_fingerprint(dataset, ds.classes) if ds.classes else None)
-    labels = [int(ds.base.targets[q]) for q in ds.indices] if hasattr(ds.base, 'targets') else \
-        [int(ds[q][1]) for q in range(len(ds))]
-    by_class: Dict[int, List[int]] = {}
-    for pos, c in enumerate(labels):
-        by_class.setdefault(c, []).append(pos)
     gen = torch.Generator().manual_seed(seed)
     pairs = table.pairs[:n]
     m = len(pairs)
+    sources = [(ds, _positions_by_class(ds))]
+    need = {c for pair in pairs for c in pair}
+    if need - set(sources[0][1]):  # a class the validation split lacks (the search may score the training split)
+        train = build_dataset(dataset, data_dir, 'train', class_names=names or ds.classes)
+        sources.append((train, _positions_by_class(train)))
+    missing = sorted(need - {c for _, by_class in sources for c in by_class})
+    if missing:
+        named = [table.class_names[c] if table.class_names else c for c in missing]
+        raise ValueError(f'render_guided_samples: the table pairs class(es) {named}, which neither the validation '
+                         f'nor the training split of {dataset or data_dir or "patchshapes"!r} has an image of')
 
     def image_of(c):
+        source, by_class = next((d, b) for d, b in sources if c in b)
         pos = by_class[c][int(torch.randint(len(by_class[c]), (1,), generator=gen))]
-        return pil_to_tensor(ds[pos][0].convert('RGB'))
+        return pil_to_tensor(source[pos][0].convert('RGB'))
     x = torch.stack([image_of(a) for a, _ in pairs] + [image_of(b) for _, b in pairs])
     y = torch.tensor([a for a, _ in pairs] + [b for _, b in pairs])
     masks = torch.stack([torch.as_tensor(np.asarray(table.masks[k], dtype=bool)) for k in range(m)])

@@ -231,6 +231,9 @@ def check_model_fits(cfg: TrainConfig, model: nn.Module, device) -> None:
         raise TrainSetupError(f'--mixup/--cutmix give no per-cell labels for the patch head of {cfg.model}; train '
                               f'the plain backbone for those baselines')
     input_size = cfg.data_config.input_size
+    if input_size[0] not in (1, 3):  # (a model whose data config asks for other channels, with no flag naming them)
+        raise TrainSetupError(f'{cfg.model} takes {input_size[0]}-channel inputs, and images load as greyscale (1 '
+                              f'channel) or RGB (3); give --in-chans 1 or 3')
     if cfg.img_size is not None or cfg.input_size is not None:  # (before --gp's check, which would blame the pooling)
         _check_input_size(cfg, model, input_size, device)
     if cfg.gp is not None:
