@@ -243,6 +243,36 @@ BAD_STATES = {
 }
 
 
+def test_tied_weights_save_and_load_strictly(tmp_path):
+    """A state dict naming one tensor twice (tied weights; timm's CoaT names its stage position encodings so):
+    safetensors refuses shared memory, so training stopped after its first epoch with nothing saved. Each name is
+    written with its values, and weights and state load back strictly."""
+    from timm_patchmix.checkpoint import load_weights
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    model[2].weight = model[0].weight  # tied
+    view = {'whole': torch.arange(6.0), 'half': torch.arange(6.0)[3:]}  # views of one storage, too
+    view['half'] = view['whole'][3:]
+    sd = model.state_dict()
+    assert sd['0.weight'].data_ptr() == sd['2.weight'].data_ptr()
+    save_weights(str(tmp_path / 'w.safetensors'), sd, {'epoch': 0})
+    got, meta = load_weights(str(tmp_path / 'w.safetensors'))
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd) and meta['epoch'] == 0
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    fresh[2].weight = fresh[0].weight
+    fresh.load_state_dict(got, strict=True)
+    assert torch.equal(fresh[2].weight, model[2].weight)
+    save_weights(str(tmp_path / 'v.safetensors'), view)
+    got, _ = load_weights(str(tmp_path / 'v.safetensors'))
+    assert torch.equal(got['whole'], torch.arange(6.0)) and torch.equal(got['half'], torch.arange(3.0, 6.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_state(str(tmp_path / 's.safetensors'), model.state_dict(), opt, {'epoch': 0, 'rows': [{'epoch': 0}]})
+    state = load_state(str(tmp_path / 's.safetensors'))
+    assert all(torch.equal(state['model'][k], v) for k, v in model.state_dict().items())
+
+
 def test_tampered_training_state_is_refused(tmp_path):
     good = _train_state(str(tmp_path / 'state.safetensors'))
     assert load_state(good)['meta']['epoch'] == 1

@@ -207,6 +207,7 @@ def test_grid_by_aspect_is_the_one_factorisation_nearest_the_image_shape():
     ('xcit_nano_12_p16_224', {}, (224, 160)),            # tokens and a class token, no dynamic patch embed
     ('twins_svt_small', {}, (160, 224)),                 # tokens at stride 32, no class token
     ('volo_d1_224', {}, (224, 224)),                     # a class token that the backbone does not count
+    ('coat_lite_tiny', {'img_size': (224, 160)}, (224, 160)),  # one class token per stage (cls_token1..4), uncounted
 ])
 def test_token_backbones_lay_out_tokens_on_their_own_grid(arch, kwargs, hw):
     """Backbones whose tokens no patch embed lays out: the patch head's map has the spatial shape of the

@@ -169,7 +169,19 @@ def atomic_copy(src: str, path: str) -> None:
 
 
 def _contiguous(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    """The tensors on the CPU, each contiguous and in memory of its own: a tensor that shares its storage with an
+    earlier one (a model's tied weights, e.g. timm's CoaT, whose state dict names one tensor twice) is copied, as
+    safetensors writes no shared memory; every name keeps its values, so the file loads strictly."""
+    out, seen = {}, set()
+    for k, v in tensors.items():
+        t = v.detach().cpu().contiguous()
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+            seen.add(ptr)
+        out[k] = t
+    return out
 
 
 def tensors_digest(tensors: Dict[str, torch.Tensor]) -> str:

@@ -511,6 +511,10 @@ def _backbone_layout(backbone: nn.Module) -> Dict[str, Any]:
     prefix = getattr(backbone, 'num_prefix_tokens', None)
     if prefix is None:  # a class token put before the patch tokens without a count of them (VOLO, PiT)
         cls_token = getattr(backbone, 'cls_token', None)
+        if cls_token is None:  # one per stage (CoaT-Lite: cls_token1..4), the last stage's before the final tokens
+            staged = sorted((int(k[len('cls_token'):]), v) for k, v in vars(backbone).get('_parameters', {}).items()
+                            if k[len('cls_token'):].isdigit() and k.startswith('cls_token'))
+            cls_token = staged[-1][1] if staged else None
         prefix = cls_token.shape[1] if isinstance(cls_token, torch.Tensor) and cls_token.dim() == 3 else 0
     layout = dict(output_fmt=str(fmt or ''), num_prefix_tokens=int(prefix or 0))
     pe = getattr(backbone, 'patch_embed', None)
