@@ -347,6 +347,57 @@ def test_plateau_schedule_resumes_with_its_counters(tmp_path):
     assert load_state(os.path.join(cosine['output'], 'state.safetensors'))['meta']['scheduler'] is None
 
 
+class _GrowingScaler:
+    """timm's NativeScaler's interface around a CPU GradScaler whose scale grows at every update (the float16
+    scaler of --amp on CUDA, which CI has not): a stand-in whose state shows whether a resume carried it on."""
+
+    def __init__(self, device='cpu'):
+        self.scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 4, growth_interval=1)
+
+    def __call__(self, loss, optimizer, clip_grad=None, clip_mode='norm', parameters=None, create_graph=False,
+                 need_update=True):
+        self.scaler.scale(loss).backward(create_graph=create_graph)
+        if need_update:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state):
+        self.scaler.load_state_dict(state)
+
+
+def test_resume_carries_the_loss_scaler_on(tmp_path, monkeypatch):
+    """The float16 loss scaler's scale and growth count travel with the state, as timm saves them (amp_scaler): a
+    resumed run's scale is the uninterrupted run's (it started again from the initial scale)."""
+    from contextlib import nullcontext
+    from timm_patchmix.checkpoint import load_state
+    from timm_patchmix.engine import run as engine_run
+    made = []
+
+    def amp_setup(cfg, device):
+        made.append(_GrowingScaler())
+        return nullcontext, made[-1]
+    monkeypatch.setattr(engine_run, 'amp_setup', amp_setup)
+    run(tmp_path, name='full')  # 2 epochs of 4 updates each
+    full = made[-1].state_dict()
+    assert full['scale'] == 2.0 ** 12
+    first = main(TINY[:-1] + ['1', '--output', str(tmp_path), '--experiment', 'part'])
+    state = os.path.join(first['output'], 'state.safetensors')
+    assert load_state(state)['meta']['scaler']['scale'] == 2.0 ** 8
+    main(TINY + ['--output', str(tmp_path), '--experiment', 'part', '--resume', state])
+    assert made[-1].state_dict() == full
+    assert load_state(state)['meta']['scaler'] == full
+    # a damaged scaler record is named
+    from timm_patchmix.checkpoint import save_state
+    st = load_state(os.path.join(tmp_path, 'full', 'state.safetensors'))
+    meta = {k: v for k, v in st['meta'].items() if k != 'optimizer'}
+    save_state(str(tmp_path / 'bad.safetensors'), st['model'], None, dict(meta, scaler={'scale': 'big'}))
+    with pytest.raises(SystemExit, match=r"scaler must hold the loss scaler's numbers, got \{'scale': 'big'\}"):
+        main(TINY + ['--output', str(tmp_path), '--experiment', 'bad', '--resume', str(tmp_path / 'bad.safetensors')])
+
+
 def test_resume_refuses_a_state_of_another_shape_or_with_damaged_rows(tmp_path, capsys):
     """A resume whose model shape changed (--in-chans) is a named settings change (exit 2); a state whose tensors do
     not fit the model, or whose rows lack a column, is an `error: cannot resume ...` (exit 1), never a traceback,

@@ -567,8 +567,9 @@ class TrainConfig:
             raise ConfigError(f'--in-chans {self.in_chans} and --input-size {" ".join(map(str, self.input_size))} '
                               f'name different channel counts; give one of them', '--in-chans')
         if self.channels is not None and self.channels not in (1, 3):
+            flag = '--in-chans' if self.in_chans is not None else '--input-size'
             raise ConfigError(f'images load as greyscale (1 channel) or RGB (3), so the data cannot have '
-                              f'{self.channels} channels', '--in-chans' if self.in_chans is not None else '--input-size')
+                              f'{self.channels} channels', flag)
         chans = self.channels if self.channels is not None else 3
         if 'in_chans' in self.model_kwargs and self.model_kwargs['in_chans'] != chans:
             raise ConfigError(f'in_chans={self.model_kwargs["in_chans"]!r} differs from the {chans} channels the data '

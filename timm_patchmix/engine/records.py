@@ -132,6 +132,7 @@ class ResumePoint:
     scheduler_state: Optional[Dict[str, Any]] = None
     ema_state: Optional[Dict[str, torch.Tensor]] = None  # --model-ema's weights
     checkpoints: List[int] = field(default_factory=list)  # --checkpoint-hist: the epochs whose files it kept
+    scaler_state: Optional[Dict[str, Any]] = None  # the float16 loss scaler's (--amp on CUDA), as timm saves it
 
 
 _DEFAULTS = TrainConfig().record()
@@ -229,12 +230,17 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
             isinstance(sched.get(k), (int, float)) and not isinstance(sched.get(k), bool) for k in SCHEDULER_KEYS)):
         raise TrainSetupError(f'cannot resume: {cfg.resume}: scheduler must hold the numbers '
                               f'{", ".join(SCHEDULER_KEYS)}, got {sched!r}')
+    scaler = meta.get('scaler')
+    if scaler is not None and not (isinstance(scaler, dict) and scaler and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scaler.values())):
+        raise TrainSetupError(f'cannot resume: {cfg.resume}: scaler must hold the loss scaler\'s numbers, got '
+                              f'{scaler!r}')
     ema = {k[len(EMA_PREFIX):]: v for k, v in st['extra'].items() if k.startswith(EMA_PREFIX)}
     if cfg.model_ema and not ema:
         raise TrainSetupError(f'cannot resume from {cfg.resume} with --model-ema: it holds no weight average (it '
                               f'was trained without --model-ema)')
     return ResumePoint(int(meta['epoch']) + 1, rows, meta.get('best'), int(meta.get('updates', 0)), st['model'],
-                       st['optimizer'], sched, ema or None, list(meta.get('checkpoints') or []))
+                       st['optimizer'], sched, ema or None, list(meta.get('checkpoints') or []), scaler)
 
 
 # what a plateau schedule counts between epochs (torch's ReduceLROnPlateau inside timm's PlateauLRScheduler), saved

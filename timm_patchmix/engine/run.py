@@ -354,6 +354,12 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     ema = _model_ema(cfg, model, start)
     evaluated = ema.module if ema is not None else model  # what each epoch evaluates and the weights files hold
     autocast, scaler = amp_setup(cfg, rt.device)
+    if scaler is not None and start.scaler_state is not None:  # (a state of a run without it: a fresh scale)
+        try:
+            scaler.load_state_dict(start.scaler_state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise TrainSetupError(f'cannot resume from {cfg.resume}: its loss scaler state does not load: {e}') \
+                from None
     stepper = Stepper(_wrap(cfg, model, rt), optimizer, _criterion(cfg).to(rt.device), cfg, rt.device, scheduler,
                       loaders.mixer, autocast, scaler, start.updates, frozen, ema)
     args_pending = False
@@ -561,7 +567,9 @@ class _EpochWriter:
         save_epoch(self.out_dir, self.model, self.optimizer, dict(self.meta, epoch=epoch, metrics=row),
                    {'epoch': epoch, 'rows': rows, 'best': best, 'updates': self.stepper.updates,
                     'args': cfg.record(), 'seed': cfg.seed, 'settings': self.settings,
-                    'scheduler': scheduler_state(self.stepper.scheduler), 'checkpoints': self.checkpoints}, improved,
+                    'scheduler': scheduler_state(self.stepper.scheduler), 'checkpoints': self.checkpoints,
+                    **({'scaler': self.stepper.scaler.state_dict()} if self.stepper.scaler is not None else {})},
+                   improved,
                    self.stepper.ema.module if self.stepper.ema is not None else None, history)
         if history is not None:
             self.checkpoints = history[0]
