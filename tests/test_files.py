@@ -788,6 +788,98 @@ def test_individual_genes_round_trip_big_masks():
 
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads the umask from /proc (Linux)')
+def _file_size_limit(limit):
+    """Writes past ``limit`` bytes fail with EFBIG (``ulimit -f``; Python ignores SIGXFSZ), for root too."""
+    import resource
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, old)
+
+
+def test_a_write_that_fails_names_its_file_and_keeps_the_one_before(tmp_path):
+    """A full disk (a file-size limit here) while writing: a WriteError naming the file written, not its
+    temporary (a bare OSError or safetensors' SafetensorError named no file); the file before stays, no temporary
+    is left."""
+    from timm_patchmix.checkpoint import WriteError, load_weights
+    text, weights = tmp_path / 'a.txt', tmp_path / 'w.safetensors'
+    atomic_write_text(str(text), 'before')
+    save_weights(str(weights), {'w': torch.zeros(4)}, {'epoch': 0})
+    restore = _file_size_limit(4096)
+    try:
+        with pytest.raises(WriteError, match=rf'^cannot write {text}: File too large$'):
+            atomic_write_text(str(text), 'x' * 10000)
+        with pytest.raises(WriteError, match=rf'^cannot write {weights}: .*File too large'):
+            save_weights(str(weights), {'w': torch.zeros(10000)}, {'epoch': 1})
+    finally:
+        restore()
+    assert text.read_text() == 'before' and load_weights(str(weights))[1]['epoch'] == 0
+    assert sorted(os.listdir(tmp_path)) == ['a.txt', 'w.safetensors']
+    # an error reading atomic_copy's source is not one of the file written
+    from timm_patchmix.checkpoint import atomic_copy
+    with pytest.raises(FileNotFoundError) as e:
+        atomic_copy(str(tmp_path / 'none'), str(tmp_path / 'b'))
+    assert not isinstance(e.value, WriteError)
+
+
+def test_train_py_stops_with_one_line_when_a_file_cannot_be_written(tmp_path):
+    """train.py on a full disk (a file-size limit below the first epoch's state): exit 1 with one error line naming
+    state.safetensors (it was a traceback naming a temporary), args.yaml whole, no temporary left."""
+    import resource
+    limit = 1 << 20
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--train-subset', '32', '--val-subset', '16',
+                           '-b', '16', '-j', '0', '--no-progress', '--epochs', '1', '--output', str(tmp_path),
+                           '--experiment', 'full'], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          preexec_fn=small_files, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    state = tmp_path / 'full' / 'state.safetensors'
+    assert proc.stderr.strip().splitlines()[-1].startswith(f'error: cannot write {state}: ')
+    assert 'Traceback' not in proc.stderr and 'File too large' in proc.stderr
+    assert sorted(os.listdir(tmp_path / 'full')) == ['args.yaml']
+    assert 'epochs: 1' in (tmp_path / 'full' / 'args.yaml').read_text()
+
+
+@pytest.mark.parametrize('command', ['train', 'search', 'pipeline', 'study'])
+def test_an_output_folder_that_cannot_be_written_in_is_refused_first(tmp_path, monkeypatch, capsys, command):
+    """An existing output folder without write permission (or on a read-only file system): one error line before
+    any work (it was a PermissionError traceback naming a temporary, after the data and model were built)."""
+    import timm_patchmix.locking
+    from timm_patchmix import pipeline, study
+    from timm_patchmix.engine import run as engine_run
+    from timm_patchmix.search import command as search_command
+    from timm_patchmix.train import cli as train_cli
+    out = tmp_path / 'ro'
+    out.mkdir()
+    real = os.access
+
+    def access(path, mode, *a, **k):  # (root writes anywhere: the permission is what the check reads)
+        return False if os.path.abspath(path) == str(out) and mode & os.W_OK else real(path, mode, *a, **k)
+    for module in (timm_patchmix.locking.os, engine_run.os):
+        monkeypatch.setattr(module, 'access', access)
+    if command == 'train':
+        with pytest.raises(SystemExit) as e:
+            train_cli(['--epochs', '1', '--output', str(out), '--experiment', 'x'])
+        err = str(e.value.code)
+        assert f'{out} cannot be written in (no permission, or a read-only file system)' in err
+    else:
+        ckpt = str(tmp_path / 'c.safetensors')
+        argv = {'search': ['--checkpoint', ckpt, '--output', str(out)], 'pipeline': ['--output', str(out)],
+                'study': ['--quick', '--output', str(out)]}[command]
+        if command == 'search':
+            from test_search import make_checkpoint
+            make_checkpoint(ckpt, model='patchhead_resnet8_cifar')
+        cli = {'search': search_command.cli, 'pipeline': pipeline.cli, 'study': study.cli}[command]
+        try:
+            rc, err = cli(argv), capsys.readouterr().err
+        except SystemExit as e:  # (the search's errors exit with their message)
+            rc, err = (1 if isinstance(e.code, str) else e.code), str(e.code)
+        assert rc == 1
+        assert f'error: cannot write in the {command} folder {out}: no permission' in err and 'Traceback' not in err
+    assert os.listdir(out) == []
+
+
 def test_atomic_writes_take_the_umask_without_setting_it(tmp_path, monkeypatch):
     """A written file gets open()'s mode under the current umask, read without os.umask(), which would set the
     umask to 0 for an instant in which another thread's new file would be world-writable."""

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from .validation import Fields, check_python_rng, check_weights_meta
 
-__all__ = ['atomic_write_bytes', 'atomic_write_text', 'atomic_copy', 'save_weights', 'load_weights', 'save_state',
-           'load_state', 'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle',
+__all__ = ['WriteError', 'atomic_write_bytes', 'atomic_write_text', 'atomic_copy', 'save_weights', 'load_weights',
+           'save_state', 'load_state', 'CheckpointError', 'rng_state', 'set_rng_state', 'save_bundle', 'load_bundle',
            'clean_stale_temps', 'temp_dir', 'release_temp', 'tensors_digest', 'check_file_digest']
 
 _META_KEY = 'timm_patchmix'
@@ -38,6 +38,16 @@ _META_DIGEST_KEY = 'timm_patchmix.meta_sha256'
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, tampered with or of the wrong kind."""
+
+
+class WriteError(OSError):
+    """A file could not be written (no permission, a read-only file system, a full disk): the message names the
+    file and the reason. Writes are atomic, so the file is as it was before."""
+
+    def __init__(self, path: str, cause: BaseException):
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        super().__init__(f'cannot write {path}: {why}')
+        self.path = path
 
 
 # A temporary file or folder of this project's writers: ``.<target name>.patchmix-<pid>-<random>.tmp`` beside its
@@ -132,11 +142,16 @@ def _umask() -> int:
 
 
 def _atomic(path: str, write) -> None:
+    """Write ``path`` through ``write(tmp)`` on a temporary beside it, renamed over it once whole; a failure of the
+    file system (:class:`WriteError`) or of ``write`` leaves ``path`` as it was and no temporary."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    clean_stale_temps(folder)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix='.tmp', dir=folder)
-    os.close(fd)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        clean_stale_temps(folder)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix='.tmp', dir=folder)
+        os.close(fd)
+    except OSError as e:
+        raise WriteError(path, e) from None
     _ACTIVE.add(tmp)
     try:
         write(tmp)
@@ -144,9 +159,16 @@ def _atomic(path: str, write) -> None:
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    except BaseException as e:
+        try:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        except OSError:
+            pass  # (a folder made read-only meanwhile: the next write there removes it, see clean_stale_temps)
+        of_file = isinstance(e, SafetensorError) or (isinstance(e, OSError) and not isinstance(e, WriteError) and
+                                                     getattr(e, 'filename', None) in (None, tmp, path))
+        if of_file:  # an I/O error of the file written (not one of a file read, such as atomic_copy's source)
+            raise WriteError(path, e) from e
         raise
     finally:
         _ACTIVE.discard(tmp)

@@ -85,7 +85,7 @@ def _command_of(pid: int) -> str:
 def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) -> Iterator[None]:
     """Create ``path`` if needed and hold an exclusive lock on it for the ``with`` block; ``what`` names the command
     in the message (``'training run'``, ``'search'``...). Raises ``error`` at once, before the block runs, when
-    another process holds the folder or it cannot be made. Nothing is written to the folder.
+    another process holds the folder, or it cannot be made or written in. Nothing is written to the folder.
 
     One process must not hold the same folder twice (a second ``hold_folder`` on it raises, as from another
     process). A process forked inside the block does not hold the folder (its copy of the descriptor is closed at
@@ -96,6 +96,9 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
         why = ('it is a link to nothing' if os.path.islink(path) and not os.path.exists(path) else
                'it is a file, not a folder' if os.path.lexists(path) else e.strerror or str(e))
         raise error(f'cannot make the {what} folder {path}: {why}') from None
+    if not os.access(path, os.W_OK | os.X_OK):  # (root too: a read-only file system, an immutable folder)
+        raise error(f'cannot write in the {what} folder {path}: no permission to write there, or a read-only file '
+                    f'system; give another output folder')
     try:
         import fcntl
     except ImportError:  # Windows

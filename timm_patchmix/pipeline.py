@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import atomic_write_bytes, atomic_write_text
+from .checkpoint import WriteError, atomic_write_bytes, atomic_write_text
 from .children import child_command, cores, follow_parent, run_children
 from .cli_types import backbone_name, directory, fraction, nonneg_int, optional_directory, positive_int, seed_int
 from .locking import FolderBusyError, hold_folder
@@ -906,9 +906,9 @@ def cli(argv=None) -> int:
         return USAGE_ERROR
     # exit 1: a phase cannot start (a missing dataset...); another pipeline is writing to this --output; a training
     # phase diverged (a rerun resumes from its last finished epoch); --jobs N: a phase failed (its error is in its log);
-    # a finished phase's done.json or mask table cannot be read
+    # a finished phase's done.json or mask table cannot be read; a file cannot be written (full disk, no permission)
     except (TrainSetupError, SearchError, CheckpointError, FolderBusyError, NonFiniteLossError,
-            PhaseFailedError, PhaseRecordError, MaskTableError) as e:
+            PhaseFailedError, PhaseRecordError, MaskTableError, WriteError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the phases started here were stopped with it

@@ -42,7 +42,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint import atomic_write_text, clean_stale_temps, release_temp, temp_dir
+from .checkpoint import WriteError, atomic_write_text, clean_stale_temps, release_temp, temp_dir
 from .cli_types import backbone_name, directory
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, INTEGER, NUMBER, OBJECT, USAGE_ERROR, SettingsChangedError, check_settings,
@@ -754,8 +754,9 @@ def cli(argv=None) -> int:
     except SettingsChangedError as e:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
-    # another study writes there; a finished task's record is bad; a task's flags refused (a --run-task child)
-    except (FolderBusyError, TaskRecordError, TaskConfigError) as e:
+    # another study writes there; a finished task's record is bad; a task's flags refused (a --run-task child); a
+    # file cannot be written (full disk, no permission)
+    except (FolderBusyError, TaskRecordError, TaskConfigError, WriteError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the tasks started here were stopped with it

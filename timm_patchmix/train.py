@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from timm.utils import ParseKwargs as _TimmParseKwargs
 
+from .checkpoint import WriteError
 from .cli_types import optional_directory, optional_file
 from .engine import ConfigError, NonFiniteLossError, StepEvent, TrainConfig, TrainSetupError, train
 from .engine.config import (CHOICES, CLIP_MODES, LR_RULE, RECIPES, SCHEDULERS, TIMM_DEFAULTS, UNFLAGGED,
@@ -477,6 +478,9 @@ def cli(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return INTERRUPTED
     except NonFiniteLossError as e:  # the run diverged: a failed run, not a usage error
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+    except WriteError as e:  # a full disk, a folder made read-only: the epochs saved before stay as they were
         print(f'error: {e}', file=sys.stderr)
         return 1
     return 0

@@ -308,8 +308,9 @@ def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
 
 
 def _check_out_dir(cfg: TrainConfig) -> None:
-    """A run folder that cannot be made because a file stands where it or a folder above it would be: a
-    :class:`TrainSetupError` naming that file, before the data and the model are built."""
+    """A run folder that cannot be made because a file stands where it or a folder above it would be, or that
+    cannot be written in (the folder, or the nearest one above it that exists): a :class:`TrainSetupError` naming
+    it, before the data and the model are built."""
     if cfg.resume and not cfg.experiment:
         return  # the state's own folder
     base = cfg.output or os.path.join('.', 'output', 'train')
@@ -324,6 +325,11 @@ def _check_out_dir(cfg: TrainConfig) -> None:
         if parent == path:
             return
         path = parent
+    if not os.access(path, os.W_OK | os.X_OK):  # (root too: a read-only file system, an immutable folder)
+        raise TrainSetupError(f'cannot write the run folder under --output {base}'
+                              + (f' --experiment {cfg.experiment}' if cfg.experiment else '')
+                              + f': {path} cannot be written in (no permission, or a read-only file system); give '
+                                f'another --output or --experiment')
 
 
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, WriteError
 from ..cli_types import device_name, directory, existing_file, optional_directory, positive_int
 from ..grid import grid_from_flag
 from ..settings import INTERRUPTED, USAGE_ERROR, SettingsChangedError
@@ -165,6 +165,9 @@ def cli(argv: Optional[List[str]] = None) -> int:
     except SettingsChangedError as e:
         print(f'error: {e}', file=sys.stderr)
         return USAGE_ERROR
+    except WriteError as e:  # a full disk, a folder made read-only: the last generation's state stays
+        print(f'error: {e}', file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: the state is written atomically after each generation
         print('interrupted: the generations finished so far are saved in --output; go on from the last one with '
               'the same command and --resume', file=sys.stderr)
