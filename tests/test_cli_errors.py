@@ -241,6 +241,10 @@ def test_model_kwargs_a_backbone_does_not_take(capsys, tmp_path, extra, names):
     # images load as greyscale or RGB: 4 (or 2) channels passed every check and failed mid-epoch (a broadcast error)
     (['--in-chans', '4'], '--in-chans', ['images load as greyscale (1 channel) or RGB (3)', 'cannot have 4 channels']),
     (['--input-size', '2', '32', '32'], '--input-size', ['cannot have 2 channels']),
+    # a built-in dataset reads no folder: --data-dir went unused (and chose timm's recipe: resnet50, 300 epochs)
+    (['--dataset', 'patchshapes', '--data-dir', '.'], '--data-dir',
+     ['--dataset patchshapes is built in and reads no folder, so --data-dir . would go unused']),
+    (['--dataset', 'sklearn_digits', '--data-dir', '.'], '--data-dir', ['--dataset sklearn_digits is built in']),
     # a builder's assertion without a message (timm's ResNet: assert output_stride in (8, 16, 32))
     (['--model', 'resnet18', '--model-kwargs', 'output_stride=7'], '--model-kwargs',
      ['model resnet18 cannot be built with output_stride=7', 'assert output_stride in (8, 16, 32)']),
@@ -379,9 +383,14 @@ def test_robustness_errors_are_one_line_not_tracebacks(capsys, tmp_path):
     assert err.startswith('error: ') and 'Traceback' not in err, err
     expect_usage_error(capsys, robustness.main, ['--checkpoint', best, '--device', 'foo'], "'foo'", flag='--device')
     from timm_patchmix.search import main as search_main
+    # (mps and xpu: torch's RuntimeError at the first tensor moved there, a traceback)
     for device, message in (('foo', "not a torch device: 'foo'"), ('meta', 'holds no data'),
                             *((('cuda', 'names a CUDA device, and this machine has none'),)
-                              if not torch.cuda.is_available() else ())):
+                              if not torch.cuda.is_available() else ()),
+                            *((('mps', 'names an Apple MPS device, and this machine or this torch build has none'),)
+                              if not torch.backends.mps.is_available() else ()),
+                            *((('xpu:0', 'names an Intel XPU device'),)
+                              if not (hasattr(torch, 'xpu') and torch.xpu.is_available()) else ())):
         expect_usage_error(capsys, search_main, ['--checkpoint', best, '--device', device], message, flag='--device')
         if device != 'cuda':  # train.py: one error line, before anything is written (its CUDA case is its own test)
             with pytest.raises(SystemExit, match=f'--device {device}: .*' + re.escape(message)):

@@ -115,6 +115,23 @@ def test_table_validation_against_the_run(tmp_path, capsys):
         train_main(common + ['--patchmix-table', path, '--experiment', 'bad3'])
 
 
+@pytest.mark.parametrize('value', ['10', True, 10.0, 0])
+def test_the_run_values_a_table_is_checked_against_are_of_their_kind(tmp_path, value):
+    """num_classes of another kind: '10' and True were compared with the table's 10 (an error saying "for 10
+    classes, this run has 10"), 10.0 passed; a ValueError as PatchMix's, from the file and from a table object."""
+    t = random_table(10, 5)
+    path = str(tmp_path / 'masks.json')
+    t.save(path)
+    message = rf'num_classes must be a positive int, got {value!r}'
+    for make in (lambda: MaskTable.load(path, num_classes=value), lambda: GuidedPatchMix(path, num_classes=value),
+                 lambda: GuidedPatchMix(t, num_classes=value)):
+        with pytest.raises(ValueError, match=message):
+            make()
+    with pytest.raises(ValueError, match='fingerprint must be a non-empty str'):
+        GuidedPatchMix(path, fingerprint=t.fingerprint.encode())
+    assert GuidedPatchMix(path, num_classes=np.int64(10)).table.num_classes == 10
+
+
 def test_guided_bad_labels_and_memory_size_raise_value_errors():
     table = random_table(10, 5)
     mixer = GuidedPatchMix(table)

@@ -819,6 +819,26 @@ def test_export_and_push_say_what_ran_and_never_overwrite_their_input(trained, t
     assert os.path.isfile(tmp_path / 'up' / 'model.safetensors')
 
 
+def test_export_checks_the_repo_id_its_card_names_and_backbone_names_a_missing_file(trained, tmp_path, capsys):
+    """export took any --repo-id (the card's code then read hf-hub:not a repo), and its placeholder kept a folder
+    name's spaces; backbone with a mistyped file path reached timm ("Unknown model", or a local-dir: hint)."""
+    for bad in ('not a repo', 'me/a b', 'me/'):
+        with pytest.raises(ValueError, match='repo_id'):
+            hub.export_folder(trained[0], str(tmp_path / 'x'), repo_id=bad)
+        assert not os.path.exists(tmp_path / 'x')
+    assert hub.main(['export', '--checkpoint', trained[0], '--output', str(tmp_path / 'x'),
+                     '--repo-id', 'not a repo']) == 2
+    assert "error: repo_id must be \"user/name\"" in capsys.readouterr().err
+    folder = hub.export_folder(trained[0], str(tmp_path / 'card model'))
+    card = open(os.path.join(folder, 'README.md')).read()
+    assert "hf-hub:<user>/card-model'" in card and 'card model' not in card.split('---')[1]
+    for missing in ('runs/pm/bset.safetensors', 'nope.safetensors'):
+        assert hub.main(['backbone', missing, '--output', str(tmp_path / 'b.safetensors')]) == 2
+        err = capsys.readouterr().err
+        assert f'error: {missing}: no such file (a source is a checkpoint file, hf-hub:<repo>' in err, err
+    assert not os.path.exists(tmp_path / 'b.safetensors')
+
+
 def test_hub_fixes_method_repo_id_num_classes_and_a_plain_architecture(trained, tmp_path, monkeypatch):
     """config.json called a model trained without --patchmix "random" (its card: no PatchMix); push took 'me/' as a
     repo id and with --overwrite replaced output/hub itself, other exports in it; model_from_weights(num_classes=)

@@ -212,7 +212,7 @@ def backbone_name(text: str) -> str:
 
 def device_problem(text: str) -> Optional[str]:
     """What is wrong with a ``--device`` name (None: nothing): torch cannot parse it, it is the meta device, which
-    holds no data, or a CUDA device on a machine without CUDA."""
+    holds no data, or a CUDA (MPS, XPU) device on a machine without one."""
     import torch
     try:
         dev = torch.device(text)
@@ -222,6 +222,10 @@ def device_problem(text: str) -> Optional[str]:
         return f"{text!r} holds no data to compute with; give 'cpu' or 'cuda'"
     if dev.type == 'cuda' and not torch.cuda.is_available():
         return f'{text!r} names a CUDA device, and this machine has none; give cpu'
+    others = {'mps': ('an Apple MPS', lambda: torch.backends.mps.is_available()),
+              'xpu': ('an Intel XPU', lambda: hasattr(torch, 'xpu') and torch.xpu.is_available())}
+    if dev.type in others and not others[dev.type][1]():  # (torch's error came at the first tensor moved there)
+        return f'{text!r} names {others[dev.type][0]} device, and this machine or this torch build has none; give cpu'
     return None
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .grid import GridSpec, to_grid
 from .mix import PatchMix, PatchMixParams, _number
-from .table import SCHEMA_VERSION, MaskTable, MaskTableError, dataset_fingerprint
+from .table import SCHEMA_VERSION, MaskTable, MaskTableError, check_run_values, dataset_fingerprint
 
 __all__ = ['MaskTable', 'MaskTableError', 'dataset_fingerprint', 'SCHEMA_VERSION', 'GuidedPatchMix', 'ClassMemory']
 
@@ -105,6 +105,7 @@ class GuidedPatchMix:
                  random_prob: float = 1 / 3,
                  num_classes: Optional[int] = None, label_smoothing: float = 0.0, grid: Optional[GridSpec] = None,
                  fingerprint: Optional[str] = None, memory_size: int = 4, alpha: float = 1.0):
+        check_run_values(num_classes, fingerprint)
         if isinstance(table, (str, os.PathLike)):
             table = MaskTable.load(os.fspath(table), grid=to_grid(grid) if grid is not None else None,
                                    num_classes=num_classes, fingerprint=fingerprint)

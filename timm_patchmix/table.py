@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -51,6 +52,17 @@ def _score(f: Fields, value: Any, field: str) -> float:
     if value is None or (is_number(value) and math.isnan(value)):
         return float('nan')
     return float(f.number(value, field, finite=True))
+
+
+def check_run_values(num_classes: Any, fingerprint: Any) -> None:
+    """The run's values a table is compared with, each ``None`` or of its kind (a ``ValueError`` naming it, as
+    :class:`~timm_patchmix.mix.PatchMix` names a ``num_classes`` of another kind): a ``3.0`` or ``'3'`` compared
+    equal or unequal to a table's 3 and gave no such error."""
+    if num_classes is not None and (not isinstance(num_classes, numbers.Integral)
+                                    or isinstance(num_classes, (bool, np.bool_)) or num_classes < 1):
+        raise ValueError(f'num_classes must be a positive int, got {num_classes!r}')
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+        raise ValueError(f'fingerprint must be a non-empty str (dataset_fingerprint gives it), got {fingerprint!r}')
 
 
 @dataclass
@@ -158,6 +170,7 @@ class MaskTable:
         """Read and validate a table; the keyword arguments are the run's values it must match (``grid`` as
         everywhere: ``P`` or ``(rows, cols)``)."""
         grid = None if grid is None else to_grid(grid)
+        check_run_values(num_classes, fingerprint)
         try:
             with open(path, encoding='utf-8') as f:
                 doc = json.load(f)

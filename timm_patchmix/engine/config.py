@@ -394,6 +394,10 @@ class TrainConfig:
         if self.test_subset is not None and not self.holdout:
             raise ConfigError('--test-subset caps the test split of a run with --holdout; without --holdout every '
                               'epoch is evaluated on --val-split, which --val-subset caps')
+        if self.data_dir and self.dataset in ('patchshapes', 'sklearn_digits'):  # (it chose timm's recipe, unused)
+            raise ConfigError(f'--dataset {self.dataset} is built in and reads no folder, so --data-dir '
+                              f'{self.data_dir} would go unused; drop --data-dir, or name the dataset the folder holds '
+                              f'(none: an image folder)', '--data-dir')
         from ..data import has_fixed_splits, is_train_split, split_name_problem
         for flag, split, training in (('--train-split', self.train_split, True),
                                       ('--val-split', self.val_split, False)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -43,6 +44,8 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     """
     from ..compat import save_config_for_hf
     from ..guided import MaskTable, MaskTableError, dataset_fingerprint
+    if repo_id is not None:  # (the card's code names it: a model card that loads nothing otherwise)
+        check_repo_id(repo_id)
     _check_destination(checkpoint, folder, table)
     if os.path.lexists(folder) and not overwrite:
         raise FileExistsError(f'{folder} exists; pass overwrite=True (--overwrite) to replace it')
@@ -51,7 +54,9 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     if not arch.startswith('patchhead_'):
         raise CheckpointError(f'{checkpoint} holds {arch!r}, not a patchhead_ model; export a PatchMix-trained '
                               f'patchhead checkpoint')
-    repo_id = repo_id or f'<user>/{os.path.basename(os.path.normpath(folder))}'
+    # (a placeholder the card's reader replaces; a folder name with spaces gives a name a repository can have)
+    repo_id = repo_id or '<user>/' + (re.sub(r'[^A-Za-z0-9._-]+', '-', os.path.basename(os.path.normpath(folder)))
+                                      .strip('-.') or 'model')
     trained_with = (meta.get('patchmix') or {}).get('table') or None  # the table the model trained on, if any
     table = table or trained_with
     data = meta.get('data') or {}
@@ -178,20 +183,26 @@ def _check_destination(checkpoint: str, folder: str, table: Optional[str]) -> No
                               f'choose another --output')
 
 
-def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[str] = None,
-         table: Optional[str] = None, token: Optional[str] = None, private: bool = False,
-         revision: Optional[str] = None, commit_message: str = 'Add timm_patchmix model', overwrite: bool = False):
-    """Export the Hub folder and upload it with huggingface_hub (token: ``token``, else ``HF_TOKEN`` or a
-    ``hf auth login``). ``dry_run`` writes the folder only (to ``folder``, default ``output/hub/<repo name>``)
-    and returns its path; otherwise returns the upload's commit info."""
+def check_repo_id(repo_id: str) -> None:
+    """A ``ValueError`` unless ``repo_id`` is a Hub model repository id, ``"user/name"`` or ``"org/name"``
+    (``huggingface_hub``'s ``validate_repo_id``)."""
     owner, slash, name = repo_id.partition('/') if isinstance(repo_id, str) else ('', '', '')
     if not slash or not owner or not name or '/' in name:
         raise ValueError(f'repo_id must be "user/name" or "org/name", got {repo_id!r}')
     from huggingface_hub.utils import HFValidationError, validate_repo_id
     try:
         validate_repo_id(repo_id)
-    except HFValidationError as e:  # (before anything is written: the folder's name comes from it)
+    except HFValidationError as e:
         raise ValueError(f'repo_id {repo_id!r} is not a Hub repository id: {e}') from None
+
+
+def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[str] = None,
+         table: Optional[str] = None, token: Optional[str] = None, private: bool = False,
+         revision: Optional[str] = None, commit_message: str = 'Add timm_patchmix model', overwrite: bool = False):
+    """Export the Hub folder and upload it with huggingface_hub (token: ``token``, else ``HF_TOKEN`` or a
+    ``hf auth login``). ``dry_run`` writes the folder only (to ``folder``, default ``output/hub/<repo name>``)
+    and returns its path; otherwise returns the upload's commit info."""
+    check_repo_id(repo_id)  # (before anything is written: the folder's name comes from it)
     folder = folder or os.path.join('output', 'hub', repo_id.split('/')[-1])
     export_folder(checkpoint, folder, repo_id=repo_id, table=table, overwrite=overwrite)
     if dry_run:
