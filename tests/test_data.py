@@ -226,3 +226,25 @@ def test_a_checkpoint_without_a_resize_record_takes_the_models_data_config():
     assert tuple(old['mean']) == (0.5, 0.5, 0.5) and tuple(old['std']) == (0.2, 0.2, 0.2)
     rec = {'input_size': [1, 28, 28], 'mean': [0.3], 'std': [0.4], 'interpolation': 'bilinear', 'crop_pct': 1.0}
     assert recorded_data_config(rec, model) == rec
+
+
+def test_view_labels_read_the_folder_readers_without_decoding_an_image(tmp_path, monkeypatch):
+    """The labels of a view (a subset, a validation folder labelled with the training classes) from the image
+    reader's samples, equal to the items' own, with no image decoded (the guided-samples figure read every
+    training image of an image folder one by one)."""
+    from PIL import Image
+    from timm_patchmix.data import PILView, build_dataset, view_labels
+    for split, classes in (('train', 'abc'), ('validation', 'ac')):
+        for c in classes:
+            os.makedirs(tmp_path / split / c)
+            for i in range(3):
+                Image.new('RGB', (4, 4), (i, 0, 0)).save(tmp_path / split / c / f'{i}.png')
+    train = build_dataset('', str(tmp_path), 'train', subset=5, subset_seed=1)
+    val = build_dataset('', str(tmp_path), 'validation', class_names=train.classes)
+    want = [[int(ds[q][1]) for q in range(len(ds))] for ds in (train, val)]
+    assert sorted(set(want[1])) == [0, 2]
+
+    def decoded(self, i):
+        raise AssertionError('an image was decoded')
+    monkeypatch.setattr(PILView, '__getitem__', decoded)
+    assert [view_labels(train), view_labels(val)] == want

@@ -787,7 +787,6 @@ def test_individual_genes_round_trip_big_masks():
     assert idx.tolist() == [1, 2, 3] and masks.tolist() == [(1 << 56) - 1, 1 << 55, 7]
 
 
-@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads the umask from /proc (Linux)')
 def _file_size_limit(limit):
     """Writes past ``limit`` bytes fail with EFBIG (``ulimit -f``; Python ignores SIGXFSZ), for root too."""
     import resource
@@ -796,6 +795,7 @@ def _file_size_limit(limit):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, old)
 
 
+@pytest.mark.skipif(os.name != 'posix', reason='a file-size limit (resource.RLIMIT_FSIZE)')
 def test_a_write_that_fails_names_its_file_and_keeps_the_one_before(tmp_path):
     """A full disk (a file-size limit here) while writing: a WriteError naming the file written, not its
     temporary (a bare OSError or safetensors' SafetensorError named no file); the file before stays, no temporary
@@ -814,13 +814,27 @@ def test_a_write_that_fails_names_its_file_and_keeps_the_one_before(tmp_path):
         restore()
     assert text.read_text() == 'before' and load_weights(str(weights))[1]['epoch'] == 0
     assert sorted(os.listdir(tmp_path)) == ['a.txt', 'w.safetensors']
-    # an error reading atomic_copy's source is not one of the file written
+    # an error reading atomic_copy's source is not one of the file written; a full disk while copying is
     from timm_patchmix.checkpoint import atomic_copy
     with pytest.raises(FileNotFoundError) as e:
         atomic_copy(str(tmp_path / 'none'), str(tmp_path / 'b'))
     assert not isinstance(e.value, WriteError)
+    (tmp_path / 'big').write_bytes(b'x' * 10000)
+    restore = _file_size_limit(4096)
+    try:
+        with pytest.raises(WriteError, match=rf'^cannot write {tmp_path / "b"}: File too large$'):
+            atomic_copy(str(tmp_path / 'big'), str(tmp_path / 'b'))
+    finally:
+        restore()
+    assert sorted(os.listdir(tmp_path)) == ['a.txt', 'big', 'w.safetensors']
+    import pickle
+    again = pickle.loads(pickle.dumps(e.value if isinstance(e.value, WriteError) else WriteError(
+        str(text), OSError(28, 'No space left on device'))))
+    assert isinstance(again, WriteError) and str(again) == f'cannot write {text}: No space left on device'
+    assert again.errno == 28 and again.path == str(text)
 
 
+@pytest.mark.skipif(os.name != 'posix', reason='a file-size limit (resource.RLIMIT_FSIZE)')
 def test_train_py_stops_with_one_line_when_a_file_cannot_be_written(tmp_path):
     """train.py on a full disk (a file-size limit below the first epoch's state): exit 1 with one error line naming
     state.safetensors (it was a traceback naming a temporary), args.yaml whole, no temporary left."""
@@ -869,17 +883,26 @@ def test_an_output_folder_that_cannot_be_written_in_is_refused_first(tmp_path, m
                 'study': ['--quick', '--output', str(out)]}[command]
         if command == 'search':
             from test_search import make_checkpoint
+            from timm_patchmix.search import core
             make_checkpoint(ckpt, model='patchhead_resnet8_cifar')
+
+            def loaded(*a, **k):
+                raise AssertionError('the checkpoint and the images were loaded before the folder was checked')
+            monkeypatch.setattr(core.Search, 'from_checkpoint', classmethod(loaded))
         cli = {'search': search_command.cli, 'pipeline': pipeline.cli, 'study': study.cli}[command]
         try:
             rc, err = cli(argv), capsys.readouterr().err
         except SystemExit as e:  # (the search's errors exit with their message)
             rc, err = (1 if isinstance(e.code, str) else e.code), str(e.code)
-        assert rc == 1
-        assert f'error: cannot write in the {command} folder {out}: no permission' in err and 'Traceback' not in err
+        assert rc == 1 and 'Traceback' not in err
+        if command == 'search':  # (checked on every process, before f_T and the images are loaded)
+            assert f'error: cannot make the search folder {out}: {out} cannot be written in (no permission' in err
+        else:
+            assert f'error: cannot write in the {command} folder {out}: no permission' in err
     assert os.listdir(out) == []
 
 
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads the umask from /proc (Linux)')
 def test_atomic_writes_take_the_umask_without_setting_it(tmp_path, monkeypatch):
     """A written file gets open()'s mode under the current umask, read without os.umask(), which would set the
     umask to 0 for an instant in which another thread's new file would be world-writable."""

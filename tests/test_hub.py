@@ -837,6 +837,9 @@ def test_export_checks_the_repo_id_its_card_names_and_backbone_names_a_missing_f
         err = capsys.readouterr().err
         assert f'error: {missing}: no such file (a source is a checkpoint file, hf-hub:<repo>' in err, err
     assert not os.path.exists(tmp_path / 'b.safetensors')
+    (tmp_path / 'afile').write_text('x')  # an --output under a file: one error line (a WriteError traceback)
+    assert hub.main(['backbone', trained[0], '--output', str(tmp_path / 'afile' / 'b.safetensors')]) == 2
+    assert f'error: cannot write {tmp_path / "afile" / "b.safetensors"}: ' in capsys.readouterr().err
 
 
 def test_hub_fixes_method_repo_id_num_classes_and_a_plain_architecture(trained, tmp_path, monkeypatch):

@@ -479,3 +479,22 @@ def test_mask_table_round_trip_and_validation(tmp_path):
     open(path, 'w').write('{"schema_version": 1, "grid": [4, 4')
     with pytest.raises(MaskTableError, match='not valid JSON'):
         MaskTable.load(path)
+
+
+def test_each_rank_takes_its_gpu_also_where_a_group_is_up(monkeypatch, ckpt):
+    """A second search.py main() in one torchrun process (the group the first started still up) got no device and
+    ran every rank on the current GPU, cuda:0; now LOCAL_RANK's, as train() takes it, unless --device names one.
+    (CUDA and the group stood in for: what is checked is the device chosen and set.)"""
+    import torch.distributed as dist
+    from timm_patchmix.search import command
+    set_to = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'set_device', set_to.append)
+    monkeypatch.setattr(dist, 'is_initialized', lambda: True)
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    cfg = parse_config(['--checkpoint', ckpt])
+    assert command._distributed(cfg).device == 'cuda:1' and set_to == ['cuda:1']
+    assert command._distributed(cfg.replace(device='cuda')).device == 'cuda:1'
+    assert command._distributed(cfg.replace(device='cuda:0')).device == 'cuda:0'  # named: kept
+    assert command._distributed(cfg.replace(device='cpu')).device == 'cpu'

@@ -47,7 +47,17 @@ class WriteError(OSError):
     def __init__(self, path: str, cause: BaseException):
         why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
         super().__init__(f'cannot write {path}: {why}')
-        self.path = path
+        self.path, self.errno = path, getattr(cause, 'errno', None)
+
+    def __reduce__(self):  # (pickled as its message: the cause is not kept)
+        return _write_error, (self.path, str(self), self.errno)
+
+
+def _write_error(path: str, message: str, errno_: Optional[int]) -> WriteError:
+    e = WriteError.__new__(WriteError)
+    OSError.__init__(e, message)
+    e.path, e.errno = path, errno_
+    return e
 
 
 # A temporary file or folder of this project's writers: ``.<target name>.patchmix-<pid>-<random>.tmp`` beside its
@@ -165,8 +175,8 @@ def _atomic(path: str, write) -> None:
                 os.unlink(tmp)
         except OSError:
             pass  # (a folder made read-only meanwhile: the next write there removes it, see clean_stale_temps)
-        of_file = isinstance(e, SafetensorError) or (isinstance(e, OSError) and not isinstance(e, WriteError) and
-                                                     getattr(e, 'filename', None) in (None, tmp, path))
+        of_file = isinstance(e, SafetensorError) or (isinstance(e, OSError) and not isinstance(e, WriteError) and (
+            getattr(e, 'filename', None) in (None, tmp, path) or getattr(e, 'filename2', None) in (tmp, path)))
         if of_file:  # an I/O error of the file written (not one of a file read, such as atomic_copy's source)
             raise WriteError(path, e) from e
         raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import numbers
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 __all__ = ['PatchShapes', 'PATCHSHAPES_CLASSES', 'make_patchshapes', 'FashionMNISTFiles', 'SklearnDigits',
            'digits_split', 'PILView', 'build_dataset',
            'open_dataset', 'is_train_split', 'has_fixed_splits', 'split_name_problem', 'subset_indices', 'make_view',
-           'dataset_num_classes', 'channel_matched',
+           'dataset_num_classes', 'channel_matched', 'view_labels',
            'Augment', 'default_crop_padding', 'small_image_transform', 'image_transform', 'pixel_transform', 'read_idx',
            'DatasetError',
            'shared_files']
@@ -312,6 +312,22 @@ class PILView(Dataset):
             from PIL import Image
             img = Image.fromarray(img.permute(1, 2, 0).numpy())
         return (self.transform(img) if self.transform is not None else img), int(target)
+
+
+def view_labels(ds: 'PILView') -> List[int]:
+    """The label of each item of ``ds``, read from its base's ``targets`` or its image reader's ``samples`` (timm's
+    and torchvision's image folders) where it has them, so that no image is decoded; else from the items."""
+    base = ds.base
+    targets = getattr(base, 'targets', None)
+    if targets is None:
+        samples = getattr(getattr(base, 'reader', None), 'samples', None)
+        samples = samples if samples is not None else getattr(base, 'samples', None)
+        if isinstance(samples, (list, tuple)) and getattr(base, 'target_transform', None) is None and all(
+                isinstance(s, (list, tuple)) and len(s) == 2 for s in samples):
+            targets = [s[1] for s in samples]
+    if targets is None:
+        return [int(ds[q][1]) for q in range(len(ds))]
+    return [int(targets[q]) for q in ds.indices]
 
 
 def open_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,

@@ -731,8 +731,8 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
             try:
                 parse_config(_train_argv(args, args.seeds[0], name, method_flags(args, name, table))
                              + list(args.train_args))
-            except ConfigError as e:
-                parser.error(f'--train-args in the {name} runs: {e}')
+            except ConfigError as e:  # (with no --train-args, the pipeline's own flags and budget are at fault)
+                parser.error(f'{"--train-args in " if args.train_args else ""}the {name} runs: {e}')
 
 
 class PhaseFailedError(RuntimeError):

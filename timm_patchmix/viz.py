@@ -168,10 +168,9 @@ def render_grid(images, partners, mixed, mask, labels: Sequence[int], partner_la
 
 def _positions_by_class(ds) -> Dict[int, List[int]]:
     """The positions in ``ds`` of each class's images."""
-    labels = [int(ds.base.targets[q]) for q in ds.indices] if hasattr(ds.base, 'targets') else \
-        [int(ds[q][1]) for q in range(len(ds))]
+    from .data import view_labels
     by_class: Dict[int, List[int]] = {}
-    for pos, c in enumerate(labels):
+    for pos, c in enumerate(view_labels(ds)):
         by_class.setdefault(c, []).append(pos)
     return by_class
 

@@ -313,23 +313,13 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     it, before the data and the model are built."""
     if cfg.resume and not cfg.experiment:
         return  # the state's own folder
+    from ..locking import folder_problem
     base = cfg.output or os.path.join('.', 'output', 'train')
-    path = os.path.abspath(os.path.join(base, cfg.experiment) if cfg.experiment else base)
-    while not os.path.isdir(path):
-        if os.path.lexists(path):
-            what = 'a link to nothing' if os.path.islink(path) else 'a file, not a folder'
-            raise TrainSetupError(f'cannot make the run folder under --output {base}'
-                                  + (f' --experiment {cfg.experiment}' if cfg.experiment else '')
-                                  + f': {path} is {what}; give another --output or --experiment')
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
-    if not os.access(path, os.W_OK | os.X_OK):  # (root too: a read-only file system, an immutable folder)
-        raise TrainSetupError(f'cannot write the run folder under --output {base}'
+    problem = folder_problem(os.path.join(base, cfg.experiment) if cfg.experiment else base)
+    if problem:
+        raise TrainSetupError(f'cannot make the run folder under --output {base}'
                               + (f' --experiment {cfg.experiment}' if cfg.experiment else '')
-                              + f': {path} cannot be written in (no permission, or a read-only file system); give '
-                                f'another --output or --experiment')
+                              + f': {problem}; give another --output or --experiment')
 
 
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Optional
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, WriteError
 from ..cli import HelpFormatter, prog_name
 from ..cli_types import directory, existing_file, file_or_name, new_file
 
@@ -82,7 +82,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
             print(out if a.dry_run else f'pushed to {a.repo_id}: {out}')
         else:
             print(export_backbone(a.source, a.output))
-    except (CheckpointError, FileExistsError, FileNotFoundError, RuntimeError, ValueError) as e:
+    except (CheckpointError, FileExistsError, FileNotFoundError, RuntimeError, ValueError, WriteError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     return 0

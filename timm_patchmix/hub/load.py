@@ -130,8 +130,8 @@ def _patchhead(source) -> nn.Module:
         return source
     if os.path.isfile(source):
         return model_from_weights(source)[0]
-    if not str(source).startswith(_SOURCES) and (os.sep in str(source) or str(source).endswith(
-            ('.safetensors', '.pth', '.pt', '.bin'))):  # a path, not a model name: timm's "Unknown model" misled
+    if ':' not in str(source) and (os.sep in str(source) or str(source).endswith(
+            ('.safetensors', '.pth', '.pt', '.bin'))):  # a path, not a name or a source timm parses (hf-hub:, ...)
         raise FileNotFoundError(f'{source}: no such file (a source is a checkpoint file, hf-hub:<repo>, '
                                 f'local-dir:<folder> or a registered tag)')
     return load_model(source, pretrained=True)

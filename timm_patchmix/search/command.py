@@ -126,14 +126,21 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> SearchConfig:
 
 def _distributed(cfg: SearchConfig) -> SearchConfig:
     """Under torchrun (WORLD_SIZE > 1), join the process group (started here if none is up, and then ended when
-    the process exits); on CUDA each rank takes its LOCAL_RANK device."""
-    if int(os.environ.get('WORLD_SIZE', '1')) <= 1 or dist.is_initialized():
+    the process exits); on CUDA each rank takes its LOCAL_RANK device unless ``--device`` names one, also where a
+    group is up already (an earlier call's, or the caller's), as ``train()`` does."""
+    if int(os.environ.get('WORLD_SIZE', '1')) <= 1 and not dist.is_initialized():
         return cfg
     from ..engine.runtime import end_group_at_exit
     use_cuda = torch.cuda.is_available() and (cfg.device or 'cuda').startswith('cuda')
-    dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
-    end_group_at_exit()  # kept for the process's later searches and runs, as train() keeps the one it starts
-    return cfg.replace(device=f'cuda:{int(os.environ.get("LOCAL_RANK", "0"))}') if use_cuda else cfg
+    if not dist.is_initialized():
+        dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
+        end_group_at_exit()  # kept for the process's later searches and runs, as train() keeps the one it starts
+    if not use_cuda or (cfg.device and ':' in cfg.device):
+        return cfg
+    # (a group up already, from an earlier call or the caller: each rank still takes its own GPU)
+    device = f'cuda:{int(os.environ.get("LOCAL_RANK", "0"))}'
+    torch.cuda.set_device(device)
+    return cfg.replace(device=device)
 
 
 def main(argv: Optional[List[str]] = None) -> MaskTable:

@@ -186,8 +186,8 @@ def load_validation(cfg: SearchConfig, model, meta: Dict[str, Any]) -> Validatio
         raise SearchError(f'the model in {cfg.checkpoint} has {model.num_classes} classes, dataset '
                           f'{dataset or "patchshapes"} has {num_classes}')
     names = list(ds.classes) or [str(i) for i in range(num_classes)]
-    labels = np.array([ds.base.targets[i] for i in ds.indices]) if hasattr(ds.base, 'targets') else \
-        np.array([ds[i][1] for i in range(len(ds))])
+    from ..data import view_labels
+    labels = np.array(view_labels(ds))
     note = _scored_note(cfg, meta.get('data', {}), dataset, data_dir, split)
     data = recorded_data_config(data, model)  # how validation made f_T's pixels
     return ValidationData(dataset, data_dir, split, names, labels, ds, data, holdout, note)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
-from ..locking import hold_folder
+from ..locking import folder_problem, hold_folder
 from .config import SearchConfig, SearchResult, kept_genes, score_words
 from .core import GenerationCallback, Search, SearchError
 from .inputs import SearchUsageError
@@ -49,6 +49,9 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
     if not cfg.resume and os.path.exists(state_path):  # another search's work, which this one would replace
         raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue it, '
                                f'or start afresh in another --output (or delete that folder first)')
+    problem = folder_problem(cfg.output)  # (on every process, before the model and the images are loaded)
+    if problem:
+        raise SearchError(f'cannot make the search folder {cfg.output}: {problem}; give another --output')
     s = Search.from_checkpoint(cfg)
     rank = _rank()
     # one process writes a search folder at a time: a second search on it stops here, before it writes anything
