@@ -525,7 +525,10 @@ def test_channels_come_from_one_rule():
     assert TrainConfig().channels is None
     assert TrainConfig(in_chans=1).channels == 1
     assert TrainConfig(input_size=(1, 28, 28)).channels == 1
-    assert TrainConfig(in_chans=4, input_size=(4, 32, 32)).channels == 4
+    assert TrainConfig(in_chans=3, input_size=(3, 32, 32)).channels == 3
+    with pytest.raises(ConfigError, match=r'images load as greyscale \(1 channel\) or RGB \(3\), so the data cannot '
+                                          r'have 4 channels'):  # (any other count failed mid-epoch)
+        TrainConfig(in_chans=4, input_size=(4, 32, 32))
     with pytest.raises(ConfigError, match=r'--in-chans 1 and --input-size 3 32 32 name different channel counts'):
         TrainConfig(in_chans=1, input_size=(3, 32, 32))
     with pytest.raises(ConfigError, match=r'in_chans=1 differs from the 3 channels'):

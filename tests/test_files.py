@@ -896,7 +896,7 @@ def test_an_output_folder_that_cannot_be_written_in_is_refused_first(tmp_path, m
             rc, err = (1 if isinstance(e.code, str) else e.code), str(e.code)
         assert rc == 1 and 'Traceback' not in err
         if command == 'search':  # (checked on every process, before f_T and the images are loaded)
-            assert f'error: cannot make the search folder {out}: {out} cannot be written in (no permission' in err
+            assert f'error: cannot make the search folder {out}: it cannot be written in (no permission' in err
         else:
             assert f'error: cannot write in the {command} folder {out}: no permission' in err
     assert os.listdir(out) == []

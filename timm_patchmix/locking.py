@@ -16,7 +16,7 @@ import contextlib
 import errno
 import os
 import warnings
-from typing import Iterator, Optional, Set, Type
+from typing import Iterator, Optional, Set, Tuple, Type
 
 __all__ = ['FolderBusyError', 'hold_folder', 'holder_pid']
 
@@ -81,20 +81,21 @@ def _command_of(pid: int) -> str:
     return text if len(text) <= 200 else text[:197] + '...'
 
 
-def folder_problem(path: str) -> Optional[str]:
-    """Why ``path`` cannot be made or written in as a folder (None: it can): a file or a link to nothing where it
-    or a folder above it would be, or the nearest folder that exists not writable (root too: a read-only file
-    system, an immutable folder). Reads only, so every process of a run can ask before any work."""
+def folder_problem(path: str) -> Optional[Tuple[str, str]]:
+    """Why ``path`` cannot be made or written in as a folder, as ``(where, what)`` (None: it can): a file or a link
+    to nothing where it or a folder above it would be, or the nearest folder that exists not writable (root too: a
+    read-only file system, an immutable folder); ``where`` is that path, absolute. Reads only, so every process of
+    a run can ask before any work."""
     p = os.path.abspath(path)
     while not os.path.isdir(p):
         if os.path.lexists(p):
-            return f'{p} is {"a link to nothing" if os.path.islink(p) else "a file, not a folder"}'
+            return p, 'is a link to nothing' if os.path.islink(p) else 'is a file, not a folder'
         parent = os.path.dirname(p)
         if parent == p:
             return None
         p = parent
     if not os.access(p, os.W_OK | os.X_OK):
-        return f'{p} cannot be written in (no permission, or a read-only file system)'
+        return p, 'cannot be written in (no permission, or a read-only file system)'
     return None
 
 

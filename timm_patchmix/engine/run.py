@@ -319,7 +319,7 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     if problem:
         raise TrainSetupError(f'cannot make the run folder under --output {base}'
                               + (f' --experiment {cfg.experiment}' if cfg.experiment else '')
-                              + f': {problem}; give another --output or --experiment')
+                              + f': {" ".join(problem)}; give another --output or --experiment')
 
 
 def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> TrainResult:

@@ -50,8 +50,10 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
         raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue it, '
                                f'or start afresh in another --output (or delete that folder first)')
     problem = folder_problem(cfg.output)  # (on every process, before the model and the images are loaded)
-    if problem:
-        raise SearchError(f'cannot make the search folder {cfg.output}: {problem}; give another --output')
+    if problem:  # (worded as hold_folder words it, "it" where the folder itself is at fault)
+        where, what = problem
+        raise SearchError(f'cannot make the search folder {cfg.output}: '
+                          f'{"it" if where == os.path.abspath(cfg.output) else where} {what}; give another --output')
     s = Search.from_checkpoint(cfg)
     rank = _rank()
     # one process writes a search folder at a time: a second search on it stops here, before it writes anything
