@@ -902,6 +902,68 @@ def test_an_output_folder_that_cannot_be_written_in_is_refused_first(tmp_path, m
     assert os.listdir(out) == []
 
 
+def test_resuming_in_an_unwritable_run_folder_and_the_other_commands_outputs_are_refused_first(
+        tmp_path, monkeypatch, capsys):
+    """train.py --resume without --experiment goes on in the state's folder: one that cannot be written in was
+    refused only after the data, the model and the state were loaded. robustness, demo and generalise checked
+    nothing before their work, and a write that failed after it was a WriteError traceback."""
+    import resource
+    import timm_patchmix.locking
+    from timm_patchmix import demo, robustness
+    from timm_patchmix.engine import run as engine_run
+    from timm_patchmix.locking import folder_problem
+    from timm_patchmix.search import generalise
+    from timm_patchmix.train import cli as train_cli
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    real = os.access
+
+    def access(path, mode, *a, **k):  # (root writes anywhere: the permission is what the check reads)
+        return False if os.path.abspath(path) == str(ro) and mode & os.W_OK else real(path, mode, *a, **k)
+    monkeypatch.setattr(timm_patchmix.locking.os, 'access', access)
+
+    def built(*a, **k):
+        raise AssertionError('the data and the model were built before the folder was checked')
+    monkeypatch.setattr(engine_run, '_setup', built)
+    (ro / 'state.safetensors').write_bytes(b'x')
+    with pytest.raises(SystemExit) as e:
+        train_cli(['--resume', str(ro / 'state.safetensors'), '--output', str(tmp_path / 'runs')])
+    assert f'cannot write in the run folder of --resume {ro / "state.safetensors"}: {ro} cannot be written in ' \
+           f'(no permission' in str(e.value.code)
+    ckpt = make_checkpoint(str(tmp_path / 'w.safetensors'))
+
+    def evaluated(*a, **k):
+        raise AssertionError('evaluated before the folder was checked')
+    monkeypatch.setattr(robustness, 'fgsm_accuracy', evaluated)
+    monkeypatch.setattr(generalise, 'table_generalisation', evaluated)
+    assert robustness.main(['--checkpoint', ckpt, '--output', str(ro)]) == 1
+    assert f'error: cannot write fgsm.json in --output {ro}: {ro} cannot be written in' in capsys.readouterr().err
+    assert demo.main(['--output', str(ro / 'demo')]) == 1
+    assert f'error: cannot write in --output {ro / "demo"}: {ro} cannot be written in' in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f'error: cannot write --output {ro / "g.json"}: {ro} cannot be written in'):
+        generalise.main(['--checkpoint', ckpt, '--table', ckpt, '--output', str(ro / 'g.json')])
+    assert os.listdir(ro) == ['state.safetensors']
+    (tmp_path / 'afile').write_text('x')  # a link to a file: not "a link to nothing"
+    os.symlink(tmp_path / 'afile', tmp_path / 'link')
+    os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
+    assert folder_problem(str(tmp_path / 'link')) == (str(tmp_path / 'link'), 'is a file, not a folder')
+    assert folder_problem(str(tmp_path / 'dangling')) == (str(tmp_path / 'dangling'), 'is a link to nothing')
+    # a write that fails after the work (a file-size limit): one error line, not a traceback
+    monkeypatch.undo()
+    out = tmp_path / 'out'
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
+    try:
+        rc_demo, err_demo = demo.main(['--output', str(out), '--num', '2']), capsys.readouterr().err
+        rc_rob = robustness.main(['--checkpoint', ckpt, '--val-subset', '4', '--eps', '0.1', '--output', str(out)])
+        err_rob = capsys.readouterr().err
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert rc_demo == 1 and f'error: cannot write {out / "patchmix_samples.png"}: File too large' in err_demo
+    assert rc_rob == 1 and f'error: cannot write {out / "fgsm.json"}: File too large' in err_rob
+    assert os.listdir(out) == []
+
+
 @pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads the umask from /proc (Linux)')
 def test_atomic_writes_take_the_umask_without_setting_it(tmp_path, monkeypatch):
     """A written file gets open()'s mode under the current umask, read without os.umask(), which would set the

@@ -839,7 +839,18 @@ def test_export_checks_the_repo_id_its_card_names_and_backbone_names_a_missing_f
     assert not os.path.exists(tmp_path / 'b.safetensors')
     (tmp_path / 'afile').write_text('x')  # an --output under a file: one error line (a WriteError traceback)
     assert hub.main(['backbone', trained[0], '--output', str(tmp_path / 'afile' / 'b.safetensors')]) == 2
-    assert f'error: cannot write {tmp_path / "afile" / "b.safetensors"}: ' in capsys.readouterr().err
+    assert f'error: cannot write {tmp_path / "afile" / "b.safetensors"}: {tmp_path / "afile"} is a file, not a ' \
+        f'folder' in capsys.readouterr().err  # (it said "File exists", of a file that was not there)
+
+
+def test_the_placeholder_repo_id_is_one_the_hub_takes():
+    """A folder name with "--", "..", a ".git" ending or over 96 characters made a placeholder push refuses."""
+    from huggingface_hub.utils import validate_repo_id
+    names = {'my model - v2': 'my-model-v2', 'a..b': 'a-b', 'repo.git': 'repo', 'a.git.git': 'a', '...': 'model',
+             'hub/my-model/': 'my-model', 'x' * 120: 'x' * 64, 'a.-b_c': 'a-b_c'}
+    for folder, name in names.items():
+        assert hub._repo_name(folder) == name
+        validate_repo_id('some-user/' + name)
 
 
 def test_hub_fixes_method_repo_id_num_classes_and_a_plain_architecture(trained, tmp_path, monkeypatch):

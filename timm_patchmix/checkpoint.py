@@ -157,6 +157,11 @@ def _atomic(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # (a file where the folder or one above it would be: named, not the file's "File exists")
+        from .locking import folder_problem
+        problem = folder_problem(folder)
+        raise WriteError(path, OSError(e.errno, ' '.join(problem)) if problem else e) from None
+    try:
         clean_stale_temps(folder)
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix='.tmp', dir=folder)
         os.close(fd)

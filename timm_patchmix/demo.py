@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-from .checkpoint import atomic_write_text
+from .checkpoint import WriteError, atomic_write_text
 from .cli_types import directory, int_range, positive_int, seed_int
 from .data import PatchShapes
 from .grid import grid_from_flag
+from .locking import folder_problem
 from .mix import PatchMix, split_target
 from .viz import render_grid, save_image
 
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = folder_problem(args.output)
+    if problem:  # (before any work)
+        print(f'error: cannot write in --output {args.output}: {" ".join(problem)}', file=sys.stderr)
+        return 1
 
     ds = PatchShapes('train', num_samples=max(args.num, 2) * 4)
     size = ds[0][0].shape[-2:]
@@ -69,7 +75,6 @@ def main(argv=None) -> int:
                           labels[params.partner].tolist(), image_t, ds.classes, mixer.grid)
 
     png = os.path.join(args.output, 'patchmix_samples.png')
-    save_image(picture, png)
     record = {
         'grid': list(mixer.grid), 'mode': args.mode, 'seed': args.seed,
         'samples': [{'label': ds.classes[int(labels[i])], 'partner_label': ds.classes[int(labels[params.partner[i]])],
@@ -77,7 +82,12 @@ def main(argv=None) -> int:
                      'target': {ds.classes[k]: round(float(v), 6) for k, v in enumerate(image_t[i]) if v > 0}}
                     for i in range(args.num)],
     }
-    atomic_write_text(os.path.join(args.output, 'patchmix_samples.json'), json.dumps(record, indent=1))
+    try:
+        save_image(picture, png)
+        atomic_write_text(os.path.join(args.output, 'patchmix_samples.json'), json.dumps(record, indent=1))
+    except WriteError as e:  # a full disk, a folder made read-only meanwhile
+        print(f'error: {e}', file=sys.stderr)
+        return 1
     print(f'wrote {png} ({args.num} samples, grid {mixer.grid[0]}x{mixer.grid[1]}, mode {args.mode})')
     return 0
 

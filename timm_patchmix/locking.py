@@ -89,7 +89,8 @@ def folder_problem(path: str) -> Optional[Tuple[str, str]]:
     p = os.path.abspath(path)
     while not os.path.isdir(p):
         if os.path.lexists(p):
-            return p, 'is a link to nothing' if os.path.islink(p) else 'is a file, not a folder'
+            return p, ('is a link to nothing' if os.path.islink(p) and not os.path.exists(p) else
+                       'is a file, not a folder')
         parent = os.path.dirname(p)
         if parent == p:
             return None

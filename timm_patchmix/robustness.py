@@ -104,11 +104,16 @@ def main(argv=None) -> int:
     from .data import build_dataset, pixel_transform, recorded_data_config
     from .hub import model_from_weights
 
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, WriteError
+    from .locking import folder_problem
 
     parser = build_parser()
     args = parser.parse_args(argv)
     device = torch.device(args.device)  # (checked by its type)
+    problem = folder_problem(args.output) if args.output else None
+    if problem:  # (before the evaluation, not after it)
+        print(f'error: cannot write fgsm.json in --output {args.output}: {" ".join(problem)}', file=sys.stderr)
+        return 1
     try:
         model, meta = model_from_weights(args.checkpoint)
         data = meta.get('data', {})
@@ -136,7 +141,11 @@ def main(argv=None) -> int:
     ds.transform = pixel_transform(*data['input_size'], data['interpolation'], data['crop_pct'])  # as validation
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=False)
     res = fgsm_accuracy(model, loader, [0.0] + list(args.eps), data['mean'], data['std'], device)
-    report(res, args.output)
+    try:
+        report(res, args.output)
+    except WriteError as e:  # a full disk, a folder made read-only meanwhile (the accuracies are printed)
+        print(f'error: {e}', file=sys.stderr)
+        return 1
     return 0
 
 

@@ -309,11 +309,17 @@ def _wrap(cfg: TrainConfig, model: nn.Module, rt: Runtime) -> nn.Module:
 
 def _check_out_dir(cfg: TrainConfig) -> None:
     """A run folder that cannot be made because a file stands where it or a folder above it would be, or that
-    cannot be written in (the folder, or the nearest one above it that exists): a :class:`TrainSetupError` naming
-    it, before the data and the model are built."""
-    if cfg.resume and not cfg.experiment:
-        return  # the state's own folder
+    cannot be written in (the folder, or the nearest one above it that exists; on a resume without
+    ``--experiment``, the state's folder): a :class:`TrainSetupError` naming it, before the data and the model are
+    built."""
     from ..locking import folder_problem
+    if cfg.resume and not cfg.experiment:  # the state's own folder goes on
+        folder = os.path.dirname(os.path.abspath(cfg.resume))
+        problem = folder_problem(folder) if os.path.isdir(folder) else None  # (a missing state: named later)
+        if problem:
+            raise TrainSetupError(f'cannot write in the run folder of --resume {cfg.resume}: {" ".join(problem)}; '
+                                  f'give --experiment (and --output) to go on in another folder')
+        return
     base = cfg.output or os.path.join('.', 'output', 'train')
     problem = folder_problem(os.path.join(base, cfg.experiment) if cfg.experiment else base)
     if problem:

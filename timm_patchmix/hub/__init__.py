@@ -34,6 +34,17 @@ __all__ = ['model_from_weights', 'export_folder', 'push', 'load_model', 'load_ba
            'export_backbone', 'main']
 
 
+def _repo_name(folder: str) -> str:
+    """A name a Hub repository can have, from a folder's: runs of other characters, ``--`` and ``..`` as one ``-``,
+    no ``-``/``.`` at the ends or ``.git`` ending, at most 64 characters (a user name and ``/`` fit in the Hub's
+    96); ``model`` when nothing is left."""
+    name = re.sub(r'[^A-Za-z0-9._-]+', '-', os.path.basename(os.path.normpath(folder)))
+    name = re.sub(r'[-.]{2,}', '-', name)[:64].strip('-.')
+    while name.endswith('.git'):
+        name = name[:-4].rstrip('-.')
+    return name or 'model'
+
+
 def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, table: Optional[str] = None,
                   overwrite: bool = False) -> str:
     """Write the Hub folder for a ``train.py`` checkpoint (see the module doc); returns ``folder``.
@@ -54,9 +65,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     if not arch.startswith('patchhead_'):
         raise CheckpointError(f'{checkpoint} holds {arch!r}, not a patchhead_ model; export a PatchMix-trained '
                               f'patchhead checkpoint')
-    # (a placeholder the card's reader replaces; a folder name with spaces gives a name a repository can have)
-    repo_id = repo_id or '<user>/' + (re.sub(r'[^A-Za-z0-9._-]+', '-', os.path.basename(os.path.normpath(folder)))
-                                      .strip('-.') or 'model')
+    repo_id = repo_id or '<user>/' + _repo_name(folder)  # (a placeholder the card's reader replaces)
     trained_with = (meta.get('patchmix') or {}).get('table') or None  # the table the model trained on, if any
     table = table or trained_with
     data = meta.get('data') or {}

@@ -39,8 +39,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointError, atomic_write_text, load_weights
+from ..checkpoint import CheckpointError, WriteError, atomic_write_text, load_weights
 from ..grid import mask_to_bits
+from ..locking import folder_problem
 from ..mix import PatchMix
 from ..settings import file_record
 from ..table import MaskTable, MaskTableError
@@ -405,6 +406,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     for name in ('checkpoint', 'table'):  # the result would replace an input
         if args.output and os.path.exists(args.output) and os.path.samefile(args.output, getattr(args, name)):
             parser.error(f'argument --output: {args.output} is the --{name} this reads; write the result elsewhere')
+    problem = folder_problem(os.path.dirname(os.path.abspath(args.output))) if args.output else None
+    if problem:  # (before the measurement, not after it)
+        raise SystemExit(f'error: cannot write --output {args.output}: {" ".join(problem)}')
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
         res = table_generalisation(args.checkpoint, args.table, fresh_k=args.fresh_k, random_masks=args.random_masks,
@@ -423,7 +427,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                      f"{_fmt(m['retained'][k])}")
     print('\n'.join(lines))
     if args.output:
-        atomic_write_text(args.output, json.dumps(res, indent=1))
+        try:
+            atomic_write_text(args.output, json.dumps(res, indent=1))
+        except WriteError as e:  # a full disk, a folder made read-only meanwhile (the summary is printed)
+            raise SystemExit(f'error: {e}') from None
         print(f'wrote {args.output}')
     return res
 
