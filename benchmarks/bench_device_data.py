@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-from timm_patchmix.cli_types import positive_int  # noqa: E402
+from timm_patchmix.cli_types import nonneg_int, positive_int  # noqa: E402
 from timm_patchmix.engine import TrainConfig  # noqa: E402
 from timm_patchmix.engine.loop import Stepper, amp_setup, train_step  # noqa: E402
 from timm_patchmix.engine.run import _criterion, _optimization, _setup, _wrap  # noqa: E402
@@ -44,12 +44,12 @@ def main() -> None:
     p.add_argument('--dataset', default='')
     p.add_argument('--data-dir', default='')
     p.add_argument('--model', default='patchhead_resnet32_cifar')
-    p.add_argument('-b', '--batch-size', type=int, default=512)
-    p.add_argument('-j', '--workers', type=int, default=4, help='workers of the loader path')
+    p.add_argument('-b', '--batch-size', type=positive_int, default=512)
+    p.add_argument('-j', '--workers', type=nonneg_int, default=4, help='workers of the loader path')
     p.add_argument('--amp', action='store_true')
     p.add_argument('--channels-last', action='store_true')
     p.add_argument('--compile', action='store_true', help='torch.compile the model (inductor)')
-    p.add_argument('--steps', type=int, default=30)
+    p.add_argument('--steps', type=positive_int, default=30)
     p.add_argument('--repeats', type=positive_int, default=5)
     p.add_argument('--skip-loader', action='store_true')
     p.add_argument('--json', default=None)

@@ -23,7 +23,8 @@ child imported the package from anywhere but the tree it was meant to measure.
 Bytecode: by default every process reads compiled bytecode from a cache in a temporary folder (filled by a warm-up
 run first), as an installed package or any second import does; ``--no-bytecode-cache`` compiles every source on
 every import instead, which is what a process pays with ``PYTHONDONTWRITEBYTECODE=1`` and no ``__pycache__``
-beside the sources.
+beside the sources: it measures a copy of each tree's package without its ``__pycache__`` folders (Python reads
+those whatever ``PYTHONDONTWRITEBYTECODE`` says; torch's and timm's own bytecode is read as installed).
 """
 from __future__ import annotations
 
@@ -109,6 +110,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _without_bytecode(tree: str) -> str:
+    """A temporary copy of ``tree``'s ``timm_patchmix`` package without its ``__pycache__`` folders: with
+    ``PYTHONDONTWRITEBYTECODE=1`` Python still reads the bytecode beside the sources (a checkout where tests ran
+    has it), so only a tree without it compiles every source on every import."""
+    copy = tempfile.mkdtemp(prefix='bench-import-src-')
+    atexit.register(shutil.rmtree, copy, True)
+    shutil.copytree(os.path.join(tree, 'timm_patchmix'), os.path.join(copy, 'timm_patchmix'),
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    return copy
+
+
 def main(argv=None) -> dict:
     global CWD
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,12 +141,17 @@ def main(argv=None) -> dict:
             parser.error(f'{path} holds no timm_patchmix/__init__.py')
     CWD = tempfile.mkdtemp(prefix='bench-import-cwd-')
     atexit.register(shutil.rmtree, CWD, True)  # also when a child imported the wrong tree (SystemExit)
+    base_tree = os.path.abspath(args.baseline) if args.baseline else None
+    if base_tree and os.path.realpath(base_tree) == os.path.realpath(tree):
+        parser.error('--baseline names the tree under test')
+    sources = {'tree': tree, 'baseline': base_tree}  # (the trees named; with --no-bytecode-cache, copies are run)
+    if args.no_bytecode_cache:  # the package's sources without a __pycache__ beside them, which Python would read
+        tree = _without_bytecode(tree)
+        base_tree = _without_bytecode(base_tree) if base_tree else None
     _use_tree(tree)
     base_env = None
-    if args.baseline:
-        base_env = dict(_tree_env(os.path.abspath(args.baseline)), BENCH_IMPORT_TREE=os.path.abspath(args.baseline))
-        if os.path.realpath(base_env['BENCH_IMPORT_TREE']) == os.path.realpath(tree):
-            parser.error('--baseline names the tree under test')
+    if base_tree:
+        base_env = dict(_tree_env(base_tree), BENCH_IMPORT_TREE=base_tree)
     cache = None
     for env in filter(None, (ENV, base_env)):
         if args.no_bytecode_cache:
@@ -172,7 +189,7 @@ def main(argv=None) -> dict:
         'command': 'python benchmarks/bench_import.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
         'repeats': args.repeats, 'python': sys.version.split()[0], 'torch': torch.__version__,
         'timm': timm.__version__, 'timm_patchmix': SEEN[tree][1], 'cpus': os.cpu_count(),
-        'tree': tree, 'timm_patchmix_file': SEEN[tree][0], 'load_average_at_end': list(os.getloadavg()),
+        'tree': sources['tree'], 'timm_patchmix_file': SEEN[tree][0], 'load_average_at_end': list(os.getloadavg()),
         'bytecode': 'compiled on every import' if args.no_bytecode_cache else 'read from a warm cache',
         'added_ms': {'median': med(added), 'min': min(added), 'samples': added},
         'modules_loaded_by_import': _python(MODULES),
@@ -184,7 +201,7 @@ def main(argv=None) -> dict:
         res['lazy_ms'] = {n: {'median': med(v), 'samples': v} for n, v in lazy.items()}
     if base_env:
         btree = base_env['BENCH_IMPORT_TREE']
-        res['baseline'] = {'tree': btree, 'timm_patchmix_file': SEEN[btree][0],
+        res['baseline'] = {'tree': sources['baseline'], 'timm_patchmix_file': SEEN[btree][0],
                            'added_ms': {'median': med(baseline), 'min': min(baseline), 'samples': baseline}}
         res['added_ms_ratio_to_baseline'] = med(added) / med(baseline)
     print(f"import timm_patchmix after import timm, from {SEEN[tree][0]}: {med(added):.1f} ms "

@@ -11,9 +11,10 @@ drawn by eager kernels rather than by replaying a captured graph). With ``--comp
 Collate mixer: ``FastCollatePatchMix`` on 256 uint8 [3, 224, 224] images against timm's ``fast_collate`` and
 ``FastCollateMixup`` (CutMix, 'elem'), plus ``FastCollatePatchMix.stack`` (the same collate without mixing), so that
 the mixing share is the difference, and the same collate mixed by the torch per-cell path instead of numpy's segment
-views (``patchmix_collate_torch_cells``). It runs twice: with torch's threads as they are (a loader with
-``num_workers=0`` collates in the main process like this) and with one thread, which is how a DataLoader worker
-runs every ``collate_fn`` (torch sets one thread in each worker), saved as ``collate_worker``.
+views (``patchmix_collate_torch_cells``). It runs twice, both in the main process: with torch's threads as they
+are (a loader with ``num_workers=0`` collates like this) and with one thread, the thread count of a DataLoader
+worker (torch sets one thread in each), saved as ``collate_worker``. That is not a worker's path: in a worker the
+collate-mixer stacks into shared memory (``collate_loader`` below measures what a loader with workers pays).
 
 Collate mixer in a DataLoader (``collate_loader``, skipped with ``--loader-workers 0``): the same three collates as
 ``collate_fn`` of real DataLoaders with ``--loader-workers`` persistent workers over an in-memory dataset of uint8
@@ -154,7 +155,7 @@ def main() -> None:
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--batch', type=even_batch, default=128)
     parser.add_argument('--collate-batch', type=even_batch, default=256)
-    parser.add_argument('--size', type=int, default=224)
+    parser.add_argument('--size', type=positive_int, default=224)
     parser.add_argument('--skip-collate', action='store_true')
     parser.add_argument('--compile', action='store_true', help='also time torch.compile(PatchMix) (compiled first)')
     parser.add_argument('--profile', action='store_true',

@@ -40,10 +40,11 @@ from timm_patchmix.mix import PatchMix, mix_select_, pack_target, soft_target  #
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--repeats', type=positive_int, default=31)
-    p.add_argument('--burst', type=int, default=20, help='calls issued back to back for host_ms and pipelined_ms')
+    p.add_argument('--burst', type=positive_int, default=20,
+                   help='calls issued back to back for host_ms and pipelined_ms')
     p.add_argument('--batch', type=even_batch, default=128)
-    p.add_argument('--size', type=int, default=224)
-    p.add_argument('--num-classes', type=int, default=1000)
+    p.add_argument('--size', type=positive_int, default=224)
+    p.add_argument('--num-classes', type=positive_int, default=1000)
     p.add_argument('--json', default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -48,7 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--repeats', type=positive_int, default=300)
     p.add_argument('--device', default='cpu')
-    p.add_argument('--num-classes', type=int, default=1000,
+    p.add_argument('--num-classes', type=positive_int, default=1000,
                    help='label width; on the CPU the label rows cost kernel time at 1000, little at 10')
     p.add_argument('--json', default=None)
     args = p.parse_args()

@@ -6,7 +6,8 @@
 Training step = forward + backward + SGD step at identical settings; the plain model trains with cross-entropy,
 the patchhead model with PatchMixLoss on a PatchMix batch of the same images (mixing itself excluded: it is
 measured in bench_mix.py). Steps of the two models alternate so drift hits both alike; medians are reported.
-Each step's operator count (aten ops dispatched in forward + backward, views left out) is reported beside it:
+Each step's operator count (aten ops dispatched in a whole step: zero_grad, forward, backward and the SGD step,
+views left out) is reported beside it:
 on an accelerator every op is at least one kernel launch, so the count is what a launch-bound step pays for.
 Import cost: the time ``import timm_patchmix`` takes right after ``import timm``, in fresh interpreters.
 """
@@ -144,13 +145,14 @@ def import_cost(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--repeats', type=positive_int, default=15)
-    parser.add_argument('--import-repeats', type=int, default=15)
+    parser.add_argument('--import-repeats', type=positive_int, default=15)
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--json', default=None)
     parser.add_argument('--amp', choices=('none', 'bf16', 'fp16'), default='none', help='autocast dtype of the step')
     parser.add_argument('--channels-last', action='store_true', help='models and batches in channels_last')
-    parser.add_argument('--cifar-batch', type=int, default=64, help='batch of the 32x32 preactresnet56_cifar case')
-    parser.add_argument('--imagenet-batch', type=int, default=8, help='batch of the 224x224 resnet50 case')
+    parser.add_argument('--cifar-batch', type=positive_int, default=64,
+                        help='batch of the 32x32 preactresnet56_cifar case')
+    parser.add_argument('--imagenet-batch', type=positive_int, default=8, help='batch of the 224x224 resnet50 case')
     parser.add_argument('--only-import', action='store_true')
     parser.add_argument('--ops-only', action='store_true', help='count the ops of each step; no timing')
     args = parser.parse_args()

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-from timm_patchmix.cli_types import int_range, nonneg_int  # noqa: E402
+from timm_patchmix.cli_types import int_range, nonneg_int, positive_int  # noqa: E402
 from timm_patchmix.search import Evolution, GeneScorer, PairSpace, Search, SearchConfig  # noqa: E402
 
 
@@ -148,12 +148,12 @@ def main():
     p.add_argument('--population', type=int_range(2), default=None)
     p.add_argument('--generations', type=nonneg_int, default=None,
                    help='memo, bookkeeping: 1 or more; paper: 0 times the first population alone')
-    p.add_argument('--k', type=int, default=8)
-    p.add_argument('--classes', type=int, default=100)
+    p.add_argument('--k', type=positive_int, default=8)
+    p.add_argument('--classes', type=int_range(2), default=100)
     p.add_argument('--device', default=None, help='paper: the search device (default: cuda when available)')
     p.add_argument('--amp', action='store_true')
     p.add_argument('--channels-last', action='store_true')
-    p.add_argument('--eval-batch-size', type=int, default=512)
+    p.add_argument('--eval-batch-size', type=positive_int, default=512)
     p.add_argument('--json', default=None)
     a = p.parse_args()
     population, generations = {'memo': (100, 40), 'bookkeeping': (500, 10)}.get(a.what, (500, 3))

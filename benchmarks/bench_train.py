@@ -17,7 +17,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import timm_patchmix  # noqa: E402,F401
 from timm_patchmix.checkpoint import atomic_write_text  # noqa: E402
-from timm_patchmix.cli_types import positive_int  # noqa: E402
+from timm_patchmix.cli_types import nonneg_int, positive_int  # noqa: E402
 from timm_patchmix.train import main as train_main  # noqa: E402
 
 
@@ -31,9 +31,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default='resnet32_cifar')
     p.add_argument('--repeats', type=positive_int, default=3)
-    p.add_argument('--train-subset', type=int, default=2560)
-    p.add_argument('-b', '--batch-size', type=int, default=128)
-    p.add_argument('-j', '--workers', type=int, default=0)
+    p.add_argument('--train-subset', type=positive_int, default=2560)
+    p.add_argument('-b', '--batch-size', type=positive_int, default=128)
+    p.add_argument('-j', '--workers', type=nonneg_int, default=0)
     p.add_argument('--json', default=None)
     args = p.parse_args()
     common = ['--epochs', '1', '--train-subset', str(args.train_subset), '--val-subset', '128', '-b',

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in two parts sized for a short lease. Results go to $OUT when set (a remote run),
-# else benchmarks/results (speed) and output/gpu_study (study).
+# else a new folder benchmarks/results/gpu-<date-time> (speed: the files already in benchmarks/results, which the
+# docs cite, are never replaced) and output/gpu_study (study).
 #
 #   bash benchmarks/run_gpu.sh speed         # ~5 min (its timeouts add up to 8 min 50 s, under a lease command's
 #                                            #   10 min, so the archive is always written): CUDA tests (sync-free mixer and step), mixer (with a profile,
@@ -20,7 +21,7 @@
 # and carry data/fmnist and .whl with the run.
 set -u
 PART=${1:-speed}
-R=benchmarks/results
+R=benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)
 if [ -n "${OUT:-}" ] && [ "$PART" = speed ]; then
     # at most 8 files come back from a lease: every result goes into one archive, made however the script ends
     R=/tmp/gpu_speed

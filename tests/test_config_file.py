@@ -89,6 +89,25 @@ def test_an_lr_from_timms_rule_or_the_recipe_is_set_again_by_it(tmp_path, caplog
     assert cfg.lr == 0.07 and scaled_lr(cfg) == 0.07
 
 
+def test_an_lr_set_through_the_python_api_after_the_recipe_or_rule_is_recorded_as_given(tmp_path):
+    """dataclasses.replace(parse_config(...), lr=...) kept the recipe's lr_source: the run trained at the new lr,
+    and its args.yaml, loaded with -c, set the recipe's (or the rule's) lr again, silently."""
+    import dataclasses
+    from timm_patchmix.engine import scaled_lr, train
+    cfg = dataclasses.replace(parse_config(TINY + ['--output', str(tmp_path), '--experiment', 'api']), lr=0.01)
+    res = train(cfg)
+    assert res.rows[0]['lr'] == pytest.approx(0.01)
+    with open(os.path.join(res.output, 'args.yaml')) as f:
+        recorded = yaml.safe_load(f)
+    assert recorded['lr'] == 0.01 and recorded['lr_source'] == 'flag'
+    assert parse_config(['-c', os.path.join(res.output, 'args.yaml')]).lr == 0.01
+    rule = dataclasses.replace(parse_config(['--lr-base', '0.4']), lr=0.01).with_recipe()
+    assert rule.lr_source == 'flag' and scaled_lr(rule) == 0.01
+    # unchanged lrs keep their source (the recipe's, the rule's)
+    assert dataclasses.replace(parse_config(TINY), epochs=2).with_recipe().lr_source == 'recipe'
+    assert dataclasses.replace(parse_config(['--lr-base', '0.4']), epochs=2).with_recipe().lr_source == 'rule'
+
+
 def test_a_run_folder_and_its_resume_are_not_read_from_the_file(tmp_path, caplog):
     """A rerun from a named run's args.yaml gets a new folder (it would write over that run's files), and one from a
     resumed run's args.yaml does not resume its state."""
@@ -136,6 +155,12 @@ def test_strings_are_read_as_the_flag_reads_them(tmp_path):
     assert cfg.opt_betas == (0.9, 0.99) and cfg.seed == 5 and cfg.grid == (2, 2)
     # one value of a flag that takes several, as on the command line
     assert cfg.fgsm == (0.1,) and cfg.decay_milestones == (30,)
+    # the values of --model-kwargs / --opt-kwargs as KEY=VALUE reads them (1e-1 reached torch's dropout as a string)
+    text = "model_kwargs: {drop_rate: 1e-1, act_layer: relu, x: '[1, 2]'}\nopt: adamw\nopt_kwargs: {eps: 1e-8}\n"
+    cfg = parse_config(['-c', _file(tmp_path, text)])
+    assert cfg.model_kwargs == parse_config(['--model-kwargs', 'drop_rate=1e-1', 'act_layer=relu', 'x=[1, 2]'
+                                             ]).model_kwargs == {'drop_rate': 0.1, 'act_layer': 'relu', 'x': [1, 2]}
+    assert cfg.opt_kwargs == {'eps': 1e-8} and type(cfg.opt_kwargs['eps']) is float
 
 
 def test_what_a_run_resolves_is_left_out(tmp_path):

@@ -907,3 +907,108 @@ def test_drop_zero_applies_to_a_hub_model_whose_config_records_a_rate(tmp_path):
                                  f'local-dir:{folder}', '--pretrained', '--patchmix'] + extra)
         _, meta = load_weights(os.path.join(out['output'], 'last.safetensors'))
         assert meta['model_kwargs']['drop_rate'] == want, extra
+
+
+HUB_PICKLE_SCRIPT = r'''
+import json, os, sys
+import torch, timm, timm_patchmix
+from safetensors.torch import load_file, save_file
+from timm.models._hub import save_for_hf
+from timm_patchmix.checkpoint import CheckpointError
+
+pickles, safe = sys.argv[1], sys.argv[2]  # two Hub caches: repos with pickled weights only / with safetensors
+
+
+def put(cache, repo, files):
+    base = os.path.join(cache, 'models--' + repo.replace('/', '--'))
+    snap = os.path.join(base, 'snapshots', '0' * 40)
+    os.makedirs(snap)
+    os.makedirs(os.path.join(base, 'refs'))
+    open(os.path.join(base, 'refs', 'main'), 'w').write('0' * 40)
+    for name, write in files.items():
+        write(os.path.join(snap, name))
+
+
+torch.manual_seed(0)
+whole = timm.create_model('patchhead_resnet32_cifar', num_classes=7)
+with torch.no_grad():
+    for p in whole.parameters():
+        p.fill_(0.25)
+trunk = timm.create_model('resnet32_cifar', num_classes=10)
+tiny = timm.create_model('test_resnet')
+plain = timm.create_model('resnet8_cifar', num_classes=10)
+put(pickles, 'me/whole', {'pytorch_model.bin': lambda p: torch.save(whole.state_dict(), p)})
+put(pickles, 'timm/test_resnet.r160_in1k', {'pytorch_model.bin': lambda p: torch.save(tiny.state_dict(), p)})
+save_for_hf(plain, os.path.join(pickles, 'plain'))  # config.json and pytorch_model.bin
+put(pickles, 'me/plain', {n: (lambda p, n=n: os.replace(os.path.join(pickles, 'plain', n), p))
+                          for n in ('config.json', 'pytorch_model.bin')})
+put(safe, 'me/whole', {'model.safetensors': lambda p: save_file(whole.state_dict(), p)})
+put(safe, 'me/trunk', {'model.safetensors': lambda p: save_file(trunk.state_dict(), p)})
+put(safe, 'timm/test_resnet.r160_in1k', {'model.safetensors': lambda p: save_file(tiny.state_dict(), p)})
+
+
+def unpickled(*a, **k):
+    sys.exit('torch.load was called')
+torch.load = unpickled
+out = {}
+calls = {
+    'overlay': lambda c: timm.create_model('patchhead_resnet32_cifar', pretrained=True, cache_dir=c,
+                                           pretrained_cfg_overlay=dict(hf_hub_id='me/whole')),
+    'cfg': lambda c: timm.create_model('patchhead_resnet8_cifar', pretrained=True, cache_dir=c,
+                                       pretrained_cfg=dict(hf_hub_id='me/whole')),
+    'tag': lambda c: timm.create_model('patchhead_test_resnet.r160_in1k', pretrained=True, cache_dir=c),
+    'tag_features': lambda c: timm.create_model('patchhead_test_resnet.r160_in1k', pretrained=True,
+                                                features_only=True, cache_dir=c),
+    'load_model': lambda c: timm_patchmix.hub.load_model('hf-hub:me/plain', cache_dir=c),
+}
+for name, call in calls.items():
+    try:
+        call(pickles)
+        out[name] = 'loaded'
+    except CheckpointError as e:
+        out[name] = str(e)
+m = calls['overlay'](safe)  # a tagged architecture: the repo the caller names, not the tag's weights
+out['overlay_whole'] = all(torch.equal(v, whole.state_dict()[k]) for k, v in m.state_dict().items())
+out['overlay_classes'] = m.num_classes
+m = timm.create_model('patchhead_resnet32_cifar', pretrained=True, cache_dir=safe,
+                      pretrained_cfg_overlay=dict(hf_hub_id='me/trunk', num_classes=10))
+out['trunk'] = all(torch.equal(v, trunk.state_dict()[k]) for k, v in m.backbone.state_dict().items())
+m = calls['tag'](safe)
+out['tag_loaded'] = all(torch.equal(v, tiny.state_dict()[k]) for k, v in m.backbone.state_dict().items())
+out['tag_file'] = m.pretrained_cfg.get('hf_hub_filename')
+print(json.dumps(out))
+'''
+
+
+def test_hub_repos_are_read_from_safetensors_only_and_a_named_repo_is_read(tmp_path):
+    """An hf_hub_id a caller names (overlay or cfg), a timm tag's repo behind patchhead_<arch>.<tag> and a plain
+    architecture's hf-hub: repo were read through timm, which unpickles pytorch_model.bin where a repo holds no
+    safetensors; an overlay's hf_hub_id on an architecture with a tag of this package was ignored (the tag's file
+    came first) while the model's cfg named the repo."""
+    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HOME=str(tmp_path / 'home'), PYTHONPATH=PYPATH)
+    r = subprocess.run([sys.executable, '-c', HUB_PICKLE_SCRIPT, str(tmp_path / 'pickles'), str(tmp_path / 'safe')],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    offline = ('its model.safetensors could not be fetched (it is not in the local cache and the Hub could not be '
+               'reached): weights are read from safetensors only')
+    for name, where in (('overlay', 'me/whole'), ('cfg', 'me/whole'), ('tag', 'timm/test_resnet.r160_in1k'),
+                        ('tag_features', 'timm/test_resnet.r160_in1k'), ('load_model', 'hf-hub:me/plain')):
+        assert out[name] == f'{where}: {offline} (a pickle file such as .pth or .bin is never read)', (name, out)
+    assert out['overlay_whole'] and out['overlay_classes'] == 7 and out['trunk']
+    assert out['tag_loaded'] and out['tag_file'] == 'model.safetensors'
+
+
+def test_the_shipped_cards_say_which_head_never_trained():
+    """The default tag's card showed a command with --no-patch-loss and said nothing of its patch head, which never
+    trained (chance-level predictions through forward_patches); every shipped card says it as an export's does."""
+    import re
+    for name in sorted(os.listdir(EXAMPLES)):
+        card = open(os.path.join(EXAMPLES, name, 'README.md'), encoding='utf-8').read()
+        command = re.search(r'- command: `([^`]*)`', card).group(1).split()
+        no_patch = '--no-patch-loss' in command or ('--patch-loss-weight' in command and float(
+            command[command.index('--patch-loss-weight') + 1]) == 0)
+        assert ('**Trained without the patch loss**' in card) == no_patch, name
+        assert ('**Trained without the image loss**' in card) == ('--no-image-loss' in command), name
+    assert '**Trained without the patch loss**' in open(os.path.join(
+        EXAMPLES, 'patchhead_resnet32_cifar.gpm_fmnist', 'README.md'), encoding='utf-8').read()

@@ -45,6 +45,16 @@ class ParseKwargs(_TimmParseKwargs):
         super().__call__(parser, namespace, values, option_string)
 
 
+def _kwargs_value(text: str) -> Any:
+    """A ``--model-kwargs``/``--opt-kwargs`` value as the flag reads it: a Python literal where it is one (YAML
+    reads ``1e-8`` as a string), else the string."""
+    import ast
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
 def _dataset_flags(g) -> None:
     g.add_argument('data', nargs='?', metavar='DIR', type=optional_directory,
                    help='path to dataset (positional, as in timm)')
@@ -395,6 +405,8 @@ def config_file_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str
         action = actions[dest]
         if action.nargs == '+' and value is not None and not isinstance(value, (list, dict)):
             value = [value]  # one value of a flag that takes several, as the command line gives it
+        if isinstance(action, ParseKwargs) and isinstance(value, dict):  # each string value as KEY=VALUE reads it
+            value = {k: _kwargs_value(v) if isinstance(v, str) else v for k, v in value.items()}
         try:
             if action.type is not None:
                 if isinstance(value, str):

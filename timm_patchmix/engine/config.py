@@ -644,6 +644,11 @@ class TrainConfig:
         if self.lr_source is None:
             # (the timm recipe fills in lr None: the rule's)
             changes['lr_source'] = 'flag' if self.lr is not None else 'recipe' if changes.get('lr') else 'rule'
+        elif (self.lr_source == 'recipe' and self.lr != dict(TIMM_DEFAULTS, **RECIPES[recipe]).get('lr')) or (
+                self.lr_source == 'rule' and self.lr is not None and not self.is_resolved):
+            # an lr set after the recipe or the rule had their say (dataclasses.replace): the caller's, recorded
+            # as such, so that -c args.yaml reads it back rather than setting the recipe's or the rule's again
+            changes['lr_source'] = 'flag'
         model = changes.get('model', self.model)
         if self.patchmix and self.model is None and not model.startswith('patchhead_') and not self.no_patch_loss:
             changes['model'] = 'patchhead_' + model  # a recipe's backbone, with the head --patchmix needs

@@ -121,7 +121,31 @@ def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
             raise CheckpointError(f'{name}: config.json names the architecture {arch!r}, which has no patch head, '
                                   f'but its model_args carry {head_args}, arguments of a patchhead_ model; the '
                                   f'architecture a timm_patchmix export names is patchhead_{arch}')
+        if pretrained and not arch.startswith('patchhead_'):  # (a patchhead_ model's loader reads safetensors only)
+            _plain_safetensors_only(name, kwargs)
     return timm.create_model(name, pretrained=pretrained, **kwargs)
+
+
+def _plain_safetensors_only(name: str, kwargs: Dict[str, Any]) -> None:
+    """A plain architecture's ``hf-hub:``/``local-dir:`` weights read from ``model.safetensors`` only, where timm
+    alone falls back to unpickling ``pytorch_model.bin``: a folder without it is refused, a Hub repo's is asked for
+    by name (a repo without it: a CheckpointError)."""
+    kind, _, ident = name.partition(':')
+    if kind == 'local-dir':
+        if not os.path.isfile(os.path.join(ident, 'model.safetensors')):
+            raise CheckpointError(f'{ident} holds no model.safetensors: weights are read from safetensors only (a '
+                                  f'pytorch_model.bin or other pickle file is never read)')
+        return
+    overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
+    if not overlay.get('state_dict') and not overlay.get('file'):
+        from huggingface_hub.errors import EntryNotFoundError
+        from ..compat import download_from_hf
+        try:  # (fetched here, so that a repo without it is named; timm then reads the cached copy)
+            download_from_hf(ident, 'model.safetensors', cache_dir=kwargs.get('cache_dir'))
+        except EntryNotFoundError as e:
+            from ..models.registry import _unfetched
+            raise _unfetched(name, 'model.safetensors', e) from None
+        kwargs['pretrained_cfg_overlay'] = dict(overlay, hf_hub_filename='model.safetensors')
 
 
 # --- the plain backbone -----------------------------------------------------------------------------------------
@@ -137,13 +161,15 @@ def _patchhead(source) -> nn.Module:
     return load_model(source, pretrained=True)
 
 
-def backbone_state_dict(source) -> Tuple[str, Dict[str, torch.Tensor], Dict[str, Any]]:
+def backbone_state_dict(source, name: Optional[str] = None) -> Tuple[str, Dict[str, torch.Tensor], Dict[str, Any]]:
     """``(arch, state_dict, pretrained_cfg)`` of the trunk (and image head) of a patchhead model: the
-    ``backbone.`` weights under the plain model's own names, the patch head left out."""
+    ``backbone.`` weights under the plain model's own names, the patch head left out. ``name``: what the source
+    is called in an error (default: the source, or a model's class)."""
     model = _patchhead(source)
     from ..models import PatchHeadModel
     if not isinstance(model, PatchHeadModel):
-        raise CheckpointError(f'{source} is not a patchhead_ model')
+        name = name or (f'a {type(source).__name__}' if isinstance(source, nn.Module) else str(source))
+        raise CheckpointError(f'{name} is not a patchhead_ model')
     arch = model.pretrained_cfg['architecture'][len('patchhead_'):]
     state = {k[len('backbone.'):]: v for k, v in model.state_dict().items() if k.startswith('backbone.')}
     cfg = {k: model.pretrained_cfg.get(k) for k in DATA_CONFIG_KEYS if model.pretrained_cfg.get(k) is not None}
@@ -159,7 +185,7 @@ def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Mod
     ``num_classes`` re-initialises the classifier, ``in_chans`` adapts the stem. ``kwargs`` go to timm.
     """
     src = _patchhead(source)
-    arch, state, cfg = backbone_state_dict(src)
+    arch, state, cfg = backbone_state_dict(src, None if isinstance(source, nn.Module) else str(source))
     # the build arguments timm's factory recorded: the backbone's (a model made by create_patchhead or
     # PatchHeadModel has only those), then the whole model's
     built = dict(getattr(src.backbone, '_model_args', None) or {}, **(getattr(src, '_model_args', None) or {}))

@@ -173,7 +173,7 @@ def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: b
     if own is None or not pretrained:
         if own is not None:  # the architecture's own cfg, no weights: the plain backbone's cfg
             pretrained_cfg = overlay = None
-        with _backbone_file_errors(pretrained_cfg, overlay):
+        with _backbone_file_errors(pretrained_cfg, overlay, arch):
             return timm.create_model(arch, features_only=True, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
                                      pretrained_cfg_overlay=overlay, cache_dir=cache_dir, **kwargs)
     feature_args = {k: kwargs.pop(k) for k in _FEATURE_KWARGS if k in kwargs}
@@ -252,16 +252,111 @@ def _check_backbone_file(pretrained_cfg, overlay) -> None:
                               f'file such as .pth or .bin is never read)')
 
 
+# timm's Hub file names of pickled weights and the safetensors file it would try first in their place
+_SAFE_NAMES = {'pytorch_model.bin': 'model.safetensors', 'open_clip_pytorch_model.bin': 'open_clip_model.safetensors'}
+
+
+def _safe_hub_name(name: Optional[str]) -> Optional[str]:
+    """The safetensors file to read from a Hub repo in place of ``name`` (timm's ``hf_hub_filename``; None:
+    timm's default, ``pytorch_model.bin``); None when there is none to read in its place."""
+    name = name or 'pytorch_model.bin'
+    if name.endswith('.safetensors'):
+        return name
+    return _SAFE_NAMES.get(name) or (name[:-4] + '.safetensors' if name.endswith('.bin') else None)
+
+
+def _not_safetensors(what: str) -> Exception:
+    from ..checkpoint import CheckpointError
+    return CheckpointError(f'{what}: weights are read from safetensors only (a pickle file such as .pth or .bin is '
+                           f'never read)')
+
+
+def _caller_hub_file(pretrained_cfg, overlay, cache_dir) -> Optional[Dict[str, Any]]:
+    """An ``hf_hub_id`` the caller names (in ``pretrained_cfg_overlay`` or a dict/PretrainedCfg, with no
+    ``state_dict`` or ``file`` before it, not a Hub folder's config.json): the overlay with ``file`` set to the
+    repo's safetensors, fetched (or found in the cache), so that it is read as a ``file=`` is, by its tensors'
+    names (the whole model's or the backbone's), above the weights a tag names. None otherwise."""
+    cfg = _cfg_dict(pretrained_cfg)
+    cfg.update(overlay or {})
+    hub_id = cfg.get('hf_hub_id')
+    if not hub_id or cfg.get('state_dict') is not None or cfg.get('file') \
+            or cfg.get('source') in ('hf-hub', 'local-dir'):
+        return None
+    name = _safe_hub_name(cfg.get('hf_hub_filename'))
+    if name is None:
+        raise _not_safetensors(f'{hub_id}: hf_hub_filename {cfg.get("hf_hub_filename")!r} is not a .safetensors file')
+    from huggingface_hub.errors import EntryNotFoundError
+    from ..compat import download_from_hf
+    try:
+        path = download_from_hf(hub_id, name, cache_dir=cache_dir)
+    except EntryNotFoundError as e:
+        raise _unfetched(f'{hub_id}', name, e) from None
+    return dict(overlay or {}, file=path, hf_hub_filename=name)
+
+
+def _unfetched(where: str, name: str, e: Exception) -> Exception:
+    """A Hub repo's safetensors file that could not be had: not in the cache while the Hub cannot be reached, or
+    the repo holds none (timm alone would have read its pickle file then)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    why = ('it is not in the local cache and the Hub could not be reached' if isinstance(e, LocalEntryNotFoundError)
+           else 'the repository has no such file')
+    return _not_safetensors(f'{where}: its {name} could not be fetched ({why})')
+
+
+def _safe_backbone_overlay(arch: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
+    """The overlay under which timm reads the backbone's weights from safetensors only: where the cfg it resolves
+    (a tag of ``arch``, or its default, with the caller's cfg and overlay) reads a Hub repo, the repo's
+    ``model.safetensors`` (or the safetensors twin of the file it names) and never the pickle file timm would fall
+    back to; a tag whose weights are a pickled URL is refused. A cfg with its own loader (``custom_load``: .npz
+    files) is left to it."""
+    if isinstance(pretrained_cfg, str):
+        base = get_pretrained_cfg(f'{arch}.{pretrained_cfg}')
+    elif pretrained_cfg is None:
+        base = get_pretrained_cfg(arch)
+    else:
+        base = pretrained_cfg
+    cfg = _cfg_dict(base)
+    cfg.update(overlay or {})
+    if cfg.get('state_dict') is not None or cfg.get('file') or cfg.get('source') == 'local-dir' \
+            or cfg.get('custom_load'):
+        return overlay
+    if cfg.get('hf_hub_id') and (cfg.get('source') == 'hf-hub' or not (cfg.get('url') and _old_cache())):
+        name = _safe_hub_name(cfg.get('hf_hub_filename'))
+        if name is None:
+            raise _not_safetensors(f'the weights of {arch} at {cfg["hf_hub_id"]} ({cfg.get("hf_hub_filename")})')
+        return overlay if name == cfg.get('hf_hub_filename') else dict(overlay or {}, hf_hub_filename=name)
+    url = cfg.get('url')
+    if url and not str(url).split('?')[0].endswith('.safetensors'):
+        raise _not_safetensors(f'the weights of {arch} at {url} are a pickle file; load them with timm alone, '
+                               f'save the state dict with safetensors and pass pretrained_cfg_overlay=dict(file=...)')
+    return overlay
+
+
+def _old_cache() -> bool:
+    """timm's documented switch that reads a tag's ``url`` before its Hub repo."""
+    try:
+        return int(os.environ.get('TIMM_USE_OLD_CACHE', 0)) > 0
+    except ValueError:
+        return False
+
+
 class _backbone_file_errors:
     """A damaged safetensors file named for the backbone: a CheckpointError naming it, not safetensors' own."""
 
-    def __init__(self, pretrained_cfg, overlay):
+    def __init__(self, pretrained_cfg, overlay, arch: Optional[str] = None):
         self.named = _named_file(pretrained_cfg, overlay)
+        cfg = _cfg_dict(get_pretrained_cfg(f'{arch}.{pretrained_cfg}') if isinstance(pretrained_cfg, str) and arch
+                        else get_pretrained_cfg(arch) if pretrained_cfg is None and arch else pretrained_cfg)
+        cfg.update(overlay or {})
+        self.hub, self.hub_file = cfg.get('hf_hub_id'), cfg.get('hf_hub_filename') or 'model.safetensors'
 
     def __enter__(self):
         return self
 
     def __exit__(self, kind, e, tb):
+        from huggingface_hub.errors import EntryNotFoundError
+        if kind is not None and issubclass(kind, EntryNotFoundError):  # (the safetensors file a Hub repo lacks)
+            raise _unfetched(self.hub or 'the Hub repository of the pretrained cfg', self.hub_file, e) from None
         if kind is not None and issubclass(kind, SafetensorError):
             from ..checkpoint import CheckpointError
             raise CheckpointError(f'the weights at {self.named or "the pretrained cfg"} are damaged or incomplete '
@@ -277,6 +372,9 @@ def _entrypoint(arch: str):
         tag = pretrained_cfg if isinstance(pretrained_cfg, str) else None
         if tag is not None and f'{name}.{tag}' not in PATCHHEAD_PRETRAINED and tag not in _backbone_tags(arch):
             raise _no_weights(name, arch, tag)
+        if pretrained:  # a Hub repo the caller names: its safetensors, read as a file= is
+            pretrained_cfg_overlay = _caller_hub_file(pretrained_cfg, pretrained_cfg_overlay, cache_dir) \
+                or pretrained_cfg_overlay
         own = _own_cfg(name, pretrained_cfg, pretrained_cfg_overlay)
         named = _named_file(pretrained_cfg, pretrained_cfg_overlay)
         if pretrained and named and (own is None or own.get('source') not in ('hf-hub', 'local-dir')):
@@ -300,10 +398,11 @@ def _entrypoint(arch: str):
             raise _no_weights(name, arch)
         if own is None and pretrained:
             _check_backbone_file(pretrained_cfg, pretrained_cfg_overlay)
+            pretrained_cfg_overlay = _safe_backbone_overlay(arch, pretrained_cfg, pretrained_cfg_overlay)
         if features_only:
             return _features(name, arch, own, pretrained, pretrained_cfg, pretrained_cfg_overlay, cache_dir, kwargs)
         if own is None:
-            with _backbone_file_errors(pretrained_cfg, pretrained_cfg_overlay):
+            with _backbone_file_errors(pretrained_cfg, pretrained_cfg_overlay, arch):
                 return create_patchhead(arch, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
                                         pretrained_cfg_overlay=pretrained_cfg_overlay, cache_dir=cache_dir, **kwargs)
         return _with_own_weights(name, arch, own, pretrained, cache_dir, kwargs)

@@ -175,9 +175,9 @@ def _without_note(record: Any) -> Any:
     return {k: v for k, v in record.items() if k != 'note'} if isinstance(record, dict) else record
 
 
-def table_generalisation(checkpoint: str, table: Union[str, MaskTable], fresh_k: int = 32, random_masks: int = 16,
-                         seed: int = 0, device: str = 'cpu', eval_batch_size: Optional[int] = None,
-                         tolerance: Optional[float] = None) -> Dict[str, Any]:
+def table_generalisation(checkpoint: Union[str, os.PathLike], table: Union[str, os.PathLike, MaskTable],
+                         fresh_k: int = 32, random_masks: int = 16, seed: int = 0, device: str = 'cpu',
+                         eval_batch_size: Optional[int] = None, tolerance: Optional[float] = None) -> Dict[str, Any]:
     """How the hardness of ``table``'s genes, searched with f_T ``checkpoint``, carries over to fresh images.
 
     Args:
@@ -219,7 +219,8 @@ def table_generalisation(checkpoint: str, table: Union[str, MaskTable], fresh_k:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f'{name} must be an integer >= {lo}, got {v!r}')
     t0 = time.perf_counter()
-    path = table if isinstance(table, str) else None
+    checkpoint = os.fspath(checkpoint)  # (a pathlib.Path as the string the search config takes)
+    path = os.fspath(table) if isinstance(table, (str, os.PathLike)) else None
     where = f'mask table {path}' if path is not None else 'the mask table'
     tab = MaskTable.load(path) if path is not None else table
     cfg = _config(checkpoint, tab, where, device, eval_batch_size)
