@@ -435,6 +435,8 @@ def test_child_command_parses_back_to_the_run(tmp_path):
     (['--dataset', 'fashion_mnist'], '--dataset', "give the pipeline's own --dataset"),
     (['--mixup', '1.0'], '--mixup', "give the pipeline's own --methods"),
     (['--patchmix'], '--patchmix', "give the pipeline's own --methods"),
+    # (timm's Mixup turns CutMix on for it: the base and mixup runs mixed with CutMix under their own names)
+    (['--cutmix-minmax', '0.3', '0.7'], '--cutmix-minmax', "give the pipeline's own --methods"),
     (['--no-patch'], '--no-patch-loss (given as --no-patch)', "give the pipeline's own --final-loss"),
     # (the report said L_T for runs that trained on the patch loss alone, or on another weighting)
     (['--no-image-loss'], '--no-image-loss', 'which its report states (--final-loss chooses'),

@@ -604,7 +604,9 @@ def report(args, results: List[Dict[str, Any]], wall_time_s: Optional[float] = N
         {'dataset': args.dataset, 'model': args.model, 'budget': args.budget, 'budget_detail': budget,
          'splits': splits, 'seeds': args.seeds, 'methods': summary, 'ranking': ranking, 'versions': versions,
          'wall_time_s': None if wall_time_s is None else round(wall_time_s, 1),
-         'wall_time_note': 'this invocation only: phases finished by an earlier invocation were reused, not rerun',
+         'wall_time_note': 'this invocation only, from the start of its main() (the interpreter\'s start and the '
+                           'imports of torch and timm before it, about 10 s on a 2-core CPU, are not in it): phases '
+                           'finished by an earlier invocation were reused, not rerun',
          'runs': results}, indent=1))
     return text
 
@@ -627,6 +629,8 @@ OWNED_TRAIN_FLAGS: Dict[str, Tuple[str, str]] = {
     'holdout_seed': ('--holdout-seed', 'the held-out images, which its training runs, search and report share'),
     'mixup': ('--methods', 'the Mixup of the mixup method alone'),
     'cutmix': ('--methods', 'the CutMix of the cutmix method alone'),
+    # (timm's Mixup takes a --cutmix-minmax as CutMix at alpha 1: the base and mixup runs would mix with CutMix)
+    'cutmix_minmax': ('--methods', 'the CutMix of the cutmix method alone; --cutmix-minmax turns CutMix on'),
     'patchmix': ('--methods', 'PatchMix for the random_pm and guided_pm methods alone'),
     'patchmix_table': ('', 'the search\'s mask table for guided_pm'),
     'no_patch_loss': ('--final-loss', 'the losses of f_T and f_O'),
