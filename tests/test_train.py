@@ -302,6 +302,37 @@ def test_fashion_mnist_idx_files_greyscale(tmp_path, in_chans):
         FashionMNISTFiles(str(tmp_path / 'empty'), 'train')
 
 
+def test_a_plateau_schedule_with_lr_noise_resumes_to_the_uninterrupted_run(tmp_path, capsys):
+    """timm's plateau schedule adds --lr-noise to the optimizer's rates and keeps the clean ones apart; the state
+    held the noisy rates only, and the resumed epoch added its noise to them a second time (lr 0.1121 for 0.1059),
+    every later epoch training at the wrong rate. The clean rates travel with the state now."""
+    from timm_patchmix.engine import train
+    from timm_patchmix.train import parse_config
+    flags = ['--model', 'resnet8_cifar', '--train-subset', '64', '--val-subset', '32', '-b', '16', '-j', '0',
+             '--epochs', '3', '--sched', 'plateau', '--lr-noise', '0.3', '0.9', '--output', str(tmp_path),
+             '--no-progress']
+    full = train(parse_config(flags + ['--experiment', 'full']))
+
+    def stop(event):
+        if event.epoch == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        train(parse_config(flags + ['--experiment', 'cut']), on_step=stop)
+    state = str(tmp_path / 'cut' / 'state.safetensors')
+    resumed = train(parse_config(flags + ['--experiment', 'cut', '--resume', state]))
+    keep = ('epoch', 'train_loss', 'eval_loss', 'eval_top1', 'lr')
+    assert [{k: r[k] for k in keep} for r in resumed.rows] == [{k: r[k] for k in keep} for r in full.rows]
+    assert full.rows[2]['lr'] != full.rows[1]['lr']  # (the noise moved the resumed epoch's rate)
+    a, b = load_file(str(tmp_path / 'full' / 'last.safetensors')), load_file(str(tmp_path / 'cut' / 'last.safetensors'))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a finished run resumed: nothing to train, and it says so (it said nothing)
+    capsys.readouterr()
+    again = train(parse_config(flags + ['--experiment', 'cut', '--resume', state]))
+    assert again.rows == resumed.rows
+    assert f'note: {state} has trained 3 epochs, and this schedule has 3: no epoch is left to train' in \
+        capsys.readouterr().out
+
+
 def test_plateau_schedule_resumes_with_its_counters(tmp_path):
     """A plateau schedule's counters (best score, epochs without improvement, cool-down) travel with the state, so
     a resumed run lowers its rate at the epoch the uninterrupted run does; a schedule of the epoch alone records
@@ -339,7 +370,7 @@ def test_plateau_schedule_resumes_with_its_counters(tmp_path):
     # through train.py: the state records the counters, and a resume from it runs
     res = run(tmp_path, '--sched', 'plateau')
     meta = load_state(os.path.join(res['output'], 'state.safetensors'))['meta']
-    assert set(meta['scheduler']) == {'best', 'num_bad_epochs', 'cooldown_counter', 'last_epoch'}
+    assert set(meta['scheduler']) == {'best', 'num_bad_epochs', 'cooldown_counter', 'last_epoch', 'restore_lr'}
     assert meta['scheduler']['last_epoch'] == 2
     again = main(TINY[:-1] + ['3', '--sched', 'plateau', '--resume', os.path.join(res['output'], 'state.safetensors')])
     assert [r['epoch'] for r in again['rows']] == [0, 1, 2]

@@ -18,7 +18,7 @@ from .errors import TrainSetupError
 
 __all__ = ['RESUME_SETTINGS', 'ROW_KEYS', 'CHECKPOINT_NAME', 'improves', 'resume_settings', 'data_identity', 'csv_text',
            'weights_meta', 'ResumePoint', 'load_resume', 'checkpoint_history', 'scheduler_state',
-           'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
+           'clean_scheduled_lr', 'load_scheduler_state', 'write_args', 'write_start', 'save_epoch']
 
 # what a resumed run must share with the run that wrote its state: the data, the model's shape (channels, input
 # size, --model-kwargs), the grid, how batches are mixed and scored, which parameters train, and the optimizer
@@ -230,6 +230,11 @@ def load_resume(cfg: TrainConfig, settings: Dict[str, Any]) -> ResumePoint:
             isinstance(sched.get(k), (int, float)) and not isinstance(sched.get(k), bool) for k in SCHEDULER_KEYS)):
         raise TrainSetupError(f'cannot resume: {cfg.resume}: scheduler must hold the numbers '
                               f'{", ".join(SCHEDULER_KEYS)}, got {sched!r}')
+    clean = (sched or {}).get('restore_lr')
+    if clean is not None and not (isinstance(clean, list) and clean and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in clean)):
+        raise TrainSetupError(f'cannot resume: {cfg.resume}: scheduler restore_lr must be null or a list of '
+                              f'learning rates, got {clean!r}')
     scaler = meta.get('scaler')
     if scaler is not None and not (isinstance(scaler, dict) and scaler and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scaler.values())):
@@ -249,11 +254,31 @@ SCHEDULER_KEYS = ('best', 'num_bad_epochs', 'cooldown_counter', 'last_epoch')
 
 
 def scheduler_state(scheduler) -> Optional[Dict[str, Any]]:
-    """The counters of a plateau schedule (``None`` for schedules that are a function of the epoch alone)."""
+    """The counters of a plateau schedule (``None`` for schedules that are a function of the epoch alone), and
+    ``restore_lr``: the rates before ``--lr-noise`` (timm's ``PlateauLRScheduler`` adds the noise to the
+    optimizer's rates and keeps the clean ones there; the optimizer's state holds the noisy ones)."""
     inner = getattr(scheduler, 'lr_scheduler', None)
     if not isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return None
-    return {k: getattr(inner, k) for k in SCHEDULER_KEYS}
+    state = {k: getattr(inner, k) for k in SCHEDULER_KEYS}
+    clean = getattr(scheduler, 'restore_lr', None)
+    state['restore_lr'] = None if clean is None else [float(v) for v in clean]
+    return state
+
+
+def clean_scheduled_lr(scheduler, optimizer, state: Optional[Dict[str, Any]]) -> None:
+    """Before a resumed plateau schedule steps to its first epoch: the optimizer's rates back to those before the
+    noise of the epoch the state was saved for, so that the step adds that epoch's noise to them once, as the
+    uninterrupted run did (on the restored noisy rates it added the noise a second time)."""
+    clean = (state or {}).get('restore_lr')
+    inner = getattr(scheduler, 'lr_scheduler', None)
+    if clean is None or not isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return
+    if len(clean) != len(optimizer.param_groups):
+        raise TrainSetupError(f'cannot resume: the saved schedule holds {len(clean)} learning rates for '
+                              f'{len(optimizer.param_groups)} parameter groups')
+    for group, lr in zip(optimizer.param_groups, clean):
+        group['lr'] = lr
 
 
 def load_scheduler_state(scheduler, state: Optional[Dict[str, Any]]) -> None:

@@ -17,9 +17,9 @@ from .errors import ConfigError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
-from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, data_identity, improves, load_resume,
-                      load_scheduler_state, restore_weights_files, resume_settings, save_epoch, scheduler_state,
-                      weights_meta, write_args, write_start)
+from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, clean_scheduled_lr, data_identity, improves,
+                      load_resume, load_scheduler_state, restore_weights_files, resume_settings, save_epoch,
+                      scheduler_state, weights_meta, write_args, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -347,10 +347,14 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
             raise TrainSetupError(f'cannot resume from {cfg.resume}: its saved state does not fit the model and '
                                   f'optimizer of this run: {e}') from None
         _say(rt, f'resuming from {cfg.resume} at epoch {start.start_epoch}')
+        if start.start_epoch >= num_epochs:  # (its files are copied or kept as they are; nothing is trained)
+            _say(rt, f'note: {cfg.resume} has trained {start.start_epoch} epochs, and this schedule has '
+                     f'{num_epochs}: no epoch is left to train (give a larger --epochs to train on)')
     if start.start_epoch > 0:  # as timm's train.py: a per-update schedule at the resumed epoch's first update
         if cfg.sched_on_updates:
             scheduler.step_update(start.start_epoch * per_epoch)
         else:
+            clean_scheduled_lr(scheduler, optimizer, start.scheduler_state)  # (--lr-noise on a plateau schedule)
             scheduler.step(start.start_epoch)
         load_scheduler_state(scheduler, start.scheduler_state)
     ema = _model_ema(cfg, model, start)
