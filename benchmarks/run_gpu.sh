@@ -34,7 +34,7 @@ if [ -d .whl ]; then
 else
     export PYTHONPATH=$PWD
 fi
-mkdir -p "$R"
+if [ "$PART" = speed ]; then mkdir -p "$R"; fi
 python3 -c "import torch, timm, deap; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 FM=${FMNIST:-data/fmnist}

@@ -937,14 +937,21 @@ with torch.no_grad():
 trunk = timm.create_model('resnet32_cifar', num_classes=10)
 tiny = timm.create_model('test_resnet')
 plain = timm.create_model('resnet8_cifar', num_classes=10)
+vit = timm.create_model('vit_tiny_patch16_224', num_classes=21843)  # a tag with custom_load (an .npz url too)
+r10 = timm.create_model('resnet10t')  # a tag with a pickled url beside its Hub repo
 put(pickles, 'me/whole', {'pytorch_model.bin': lambda p: torch.save(whole.state_dict(), p)})
-put(pickles, 'timm/test_resnet.r160_in1k', {'pytorch_model.bin': lambda p: torch.save(tiny.state_dict(), p)})
-save_for_hf(plain, os.path.join(pickles, 'plain'))  # config.json and pytorch_model.bin
-put(pickles, 'me/plain', {n: (lambda p, n=n: os.replace(os.path.join(pickles, 'plain', n), p))
-                          for n in ('config.json', 'pytorch_model.bin')})
+writers = ((pickles, lambda sd: (lambda p: torch.save(sd, p))), (safe, lambda sd: (lambda p: save_file(sd, p))))
+for cache, write in writers:
+    name = 'pytorch_model.bin' if cache == pickles else 'model.safetensors'
+    put(cache, 'timm/test_resnet.r160_in1k', {name: write(tiny.state_dict())})
+    put(cache, 'timm/vit_tiny_patch16_224.augreg_in21k', {name: write(vit.state_dict())})
+    put(cache, 'timm/resnet10t.c3_in1k', {name: write(r10.state_dict())})
+    save_for_hf(plain, os.path.join(cache, 'plain'), safe_serialization=cache == safe)  # config.json and weights
+    put(cache, 'me/plain', {n: (lambda p, n=n: os.replace(os.path.join(cache, 'plain', n), p))
+                            for n in ('config.json', name)})
 put(safe, 'me/whole', {'model.safetensors': lambda p: save_file(whole.state_dict(), p)})
 put(safe, 'me/trunk', {'model.safetensors': lambda p: save_file(trunk.state_dict(), p)})
-put(safe, 'timm/test_resnet.r160_in1k', {'model.safetensors': lambda p: save_file(tiny.state_dict(), p)})
+save_file(plain.state_dict(), os.path.join(safe, 'plain.safetensors'))
 
 
 def unpickled(*a, **k):
@@ -960,6 +967,16 @@ calls = {
     'tag_features': lambda c: timm.create_model('patchhead_test_resnet.r160_in1k', pretrained=True,
                                                 features_only=True, cache_dir=c),
     'load_model': lambda c: timm_patchmix.hub.load_model('hf-hub:me/plain', cache_dir=c),
+    # (timm reads the Hub repo whatever file or state dict an overlay names; timm's other spellings of the prefix)
+    'load_model_overlay': lambda c: timm_patchmix.hub.load_model('hf-hub:me/plain', cache_dir=c,
+                                                                 pretrained_cfg_overlay=dict(file=os.path.join(
+                                                                     safe, 'plain.safetensors'))),
+    'load_model_hf_hub': lambda c: timm_patchmix.hub.load_model('hf_hub:me/plain', cache_dir=c),
+    'load_model_upper': lambda c: timm_patchmix.hub.load_model('HF-HUB:me/plain', cache_dir=c),
+    'load_backbone_hf_hub': lambda c: timm_patchmix.hub.load_backbone('hf_hub:me/plain', cache_dir=c),
+    # a timm tag with custom_load=True: timm reads its Hub repo as any other's
+    'custom_tag': lambda c: timm.create_model('patchhead_vit_tiny_patch16_224.augreg_in21k', pretrained=True,
+                                              cache_dir=c),
 }
 for name, call in calls.items():
     try:
@@ -976,6 +993,8 @@ out['trunk'] = all(torch.equal(v, trunk.state_dict()[k]) for k, v in m.backbone.
 m = calls['tag'](safe)
 out['tag_loaded'] = all(torch.equal(v, tiny.state_dict()[k]) for k, v in m.backbone.state_dict().items())
 out['tag_file'] = m.pretrained_cfg.get('hf_hub_filename')
+m = calls['custom_tag'](safe)
+out['custom_loaded'] = all(torch.equal(v, vit.state_dict()[k]) for k, v in m.backbone.state_dict().items())
 print(json.dumps(out))
 '''
 
@@ -993,10 +1012,55 @@ def test_hub_repos_are_read_from_safetensors_only_and_a_named_repo_is_read(tmp_p
     offline = ('its model.safetensors could not be fetched (it is not in the local cache and the Hub could not be '
                'reached): weights are read from safetensors only')
     for name, where in (('overlay', 'me/whole'), ('cfg', 'me/whole'), ('tag', 'timm/test_resnet.r160_in1k'),
-                        ('tag_features', 'timm/test_resnet.r160_in1k'), ('load_model', 'hf-hub:me/plain')):
+                        ('tag_features', 'timm/test_resnet.r160_in1k'), ('load_model', 'hf-hub:me/plain'),
+                        ('load_model_overlay', 'hf-hub:me/plain'), ('load_model_hf_hub', 'hf-hub:me/plain'),
+                        ('load_model_upper', 'hf-hub:me/plain'), ('load_backbone_hf_hub', 'hf-hub:me/plain'),
+                        ('custom_tag', 'timm/vit_tiny_patch16_224.augreg_in21k')):
         assert out[name] == f'{where}: {offline} (a pickle file such as .pth or .bin is never read)', (name, out)
     assert out['overlay_whole'] and out['overlay_classes'] == 7 and out['trunk']
-    assert out['tag_loaded'] and out['tag_file'] == 'model.safetensors'
+    assert out['tag_loaded'] and out['tag_file'] == 'model.safetensors' and out['custom_loaded']
+    # train.py --pretrained on a plain model: a timm tag (one with a pickled url beside its repo, one with
+    # custom_load) and a plain hf-hub: folder; refused from the pickles, loaded from safetensors, under
+    # TIMM_USE_OLD_CACHE too (which reads a cached url first: a url is never read now)
+    for cache, old in (('pickles', '0'), ('safe', '1')):
+        r = subprocess.run([sys.executable, '-c', BUILD_SCRIPT], capture_output=True, text=True, timeout=300,
+                           cwd=str(tmp_path), env=dict(env, HF_HUB_CACHE=str(tmp_path / cache),
+                                                       TIMM_USE_OLD_CACHE=old))
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+        built = json.loads(r.stdout.strip().splitlines()[-1])
+        if cache == 'safe':
+            assert set(built.values()) == {'built'}, built
+        else:
+            for name, text in built.items():
+                assert text.endswith(('weights are read from safetensors only (a pickle file such as .pth or .bin is '
+                                      'never read)', "(a Hub repository's weights are read from its "
+                                      'model.safetensors only, never from a pickle file such as pytorch_model.bin)')), \
+                    (name, text)
+
+
+BUILD_SCRIPT = r'''
+import json, sys, torch, timm, timm_patchmix
+from timm_patchmix.engine import TrainConfig, TrainSetupError
+from timm_patchmix.engine.model import build_model
+
+
+def unpickled(*a, **k):
+    sys.exit('torch.load was called')
+torch.load = unpickled
+out = {}
+for name in ('resnet10t.c3_in1k', 'vit_tiny_patch16_224.augreg_in21k', 'hf-hub:me/plain'):
+    try:
+        build_model(TrainConfig(model=name, pretrained=True).with_recipe(), 10)
+        out[name] = 'built'
+    except TrainSetupError as e:
+        out[name] = str(e)
+try:
+    timm.create_model('patchhead_resnet10t.c3_in1k', pretrained=True)
+    out['patchhead_resnet10t.c3_in1k'] = 'built'
+except Exception as e:
+    out['patchhead_resnet10t.c3_in1k'] = str(e)
+print(json.dumps(out))
+'''
 
 
 def test_the_shipped_cards_say_which_head_never_trained():

@@ -96,6 +96,30 @@ def init_heads(model: nn.Module, scale: Optional[float], bias: Optional[float]) 
                 head.bias.fill_(bias)
 
 
+def _safetensors_only(model: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``kwargs`` for ``timm.create_model(model, pretrained=True)`` that read a plain (not ``patchhead_``) model's
+    Hub weights from safetensors only, as a ``patchhead_`` model's are: a timm tag's repo (its
+    ``model.safetensors``, never the ``pytorch_model.bin`` timm alone falls back to; a tag whose weights are a
+    pickled URL is refused) and an ``hf-hub:``/``local-dir:`` folder of a plain architecture (a CheckpointError
+    where it holds no ``model.safetensors``)."""
+    import timm
+    from timm.models import split_model_name_tag
+    from ..hub.load import _plain_safetensors_only, _read_config, source_name
+    from ..models.registry import _safe_backbone_overlay
+    name = source_name(model)
+    if name.startswith(SOURCES):
+        if _read_config(name, kwargs.get('cache_dir'))['architecture'].startswith('patchhead_'):
+            return kwargs  # (its own loader reads safetensors only)
+        out = dict(kwargs)
+        _plain_safetensors_only(name, out)
+        return out
+    arch, tag = split_model_name_tag(model)
+    if arch.startswith('patchhead_') or not timm.is_model(arch):  # (timm names an unknown model)
+        return kwargs
+    overlay = _safe_backbone_overlay(arch, tag or None, kwargs.get('pretrained_cfg_overlay'))
+    return dict(kwargs, pretrained_cfg_overlay=overlay) if overlay is not None else kwargs
+
+
 def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str, Any]]:
     """The model ``cfg`` names with ``num_classes`` outputs, and the keyword arguments it was built with (as a
     checkpoint records them). A keyword argument the model does not take is a :class:`ConfigError`. With
@@ -106,7 +130,8 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     from ..models import PatchheadWeightsError
     kwargs = _model_kwargs(cfg)
     try:
-        model = timm.create_model(cfg.model, pretrained=cfg.pretrained, num_classes=num_classes, **kwargs)
+        create = _safetensors_only(cfg.model, kwargs) if cfg.pretrained else kwargs
+        model = timm.create_model(cfg.model, pretrained=cfg.pretrained, num_classes=num_classes, **create)
     except (PatchheadWeightsError, CheckpointError) as e:  # no weights; or weights that do not fit the model
         raise TrainSetupError(f'--model {cfg.model}{" --pretrained" if cfg.pretrained else ""}: {e}') from None
     except TypeError as e:
@@ -129,8 +154,11 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Tuple[nn.Module, Dict[str
     except (OSError, RuntimeError) as e:  # no weights for the model (timm's RuntimeError), no file or no network
         if not cfg.pretrained or (isinstance(e, RuntimeError) and 'pretrained' not in str(e).lower()):
             raise
+        from huggingface_hub.errors import EntryNotFoundError
+        safe = (' (a Hub repository\'s weights are read from its model.safetensors only, never from a pickle file '
+                'such as pytorch_model.bin)' if isinstance(e, EntryNotFoundError) else '')
         raise TrainSetupError(f'--model {cfg.model} --pretrained: its pretrained weights cannot be loaded: '
-                              f'{type(e).__name__}: {e}'.rstrip()) from None
+                              f'{type(e).__name__}: {str(e).rstrip()}{safe}') from None
     if cfg.model.startswith(SOURCES):  # the config's model_args, as the factory applied them
         kwargs = {k: v for k, v in (getattr(model, '_model_args', None) or {}).items()
                   if k not in ('num_classes', 'pretrained_model_args')}

@@ -94,8 +94,15 @@ def _read_config(source: str, cache_dir=None) -> Dict[str, Any]:
             raise CheckpointError(f'{ident} has no config.json; a Hub folder from `python -m timm_patchmix.hub '
                                   f'export` holds config.json and model.safetensors')
     else:
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
         from ..compat import download_from_hf
-        path = download_from_hf(ident, 'config.json', cache_dir=cache_dir)
+        try:
+            path = download_from_hf(ident, 'config.json', cache_dir=cache_dir)
+        except EntryNotFoundError as e:
+            why = ('it is not in the local cache and the Hub could not be reached'
+                   if isinstance(e, LocalEntryNotFoundError) else 'the repository has none')
+            raise CheckpointError(f'{source}: its config.json could not be fetched ({why}); a Hub repository from '
+                                  f'`timm-patchmix hub export` holds config.json and model.safetensors') from None
     try:
         with open(path, encoding='utf-8') as f:
             cfg = json.load(f)
@@ -107,11 +114,20 @@ def _read_config(source: str, cache_dir=None) -> Dict[str, Any]:
     return cfg
 
 
+def source_name(name: str) -> str:
+    """``name`` with its source prefix spelt ``hf-hub:``/``local-dir:``, as timm reads the others it takes (any
+    letter case, the older ``hf_hub:``); other names unchanged."""
+    head, sep, rest = str(name).partition(':')
+    kind = 'hf-hub' if head == 'hf_hub' else head.lower()
+    return f'{kind}:{rest}' if sep and f'{kind}:' in _SOURCES else name
+
+
 def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
     """``timm.create_model`` with the checks a downloaded model deserves: the config's architecture must be
     registered (else an error saying to ``import timm_patchmix``), and damaged weights give an error that says how
     to fetch them again. ``name``: ``hf-hub:<repo>``, ``local-dir:<folder>``, a tag such as
     ``patchhead_resnet50.gpm_in1k``, or any timm name."""
+    name = source_name(name)
     if name.startswith(_SOURCES):
         cfg = _read_config(name, kwargs.get('cache_dir'))
         arch = cfg['architecture']
@@ -136,20 +152,20 @@ def _plain_safetensors_only(name: str, kwargs: Dict[str, Any]) -> None:
             raise CheckpointError(f'{ident} holds no model.safetensors: weights are read from safetensors only (a '
                                   f'pytorch_model.bin or other pickle file is never read)')
         return
+    # (a Hub config's source comes before a file or state dict in the overlay: timm reads the repo whatever they say)
     overlay = dict(kwargs.get('pretrained_cfg_overlay') or {})
-    if not overlay.get('state_dict') and not overlay.get('file'):
-        from huggingface_hub.errors import EntryNotFoundError
-        from ..compat import download_from_hf
-        try:  # (fetched here, so that a repo without it is named; timm then reads the cached copy)
-            download_from_hf(ident, 'model.safetensors', cache_dir=kwargs.get('cache_dir'))
-        except EntryNotFoundError as e:
-            from ..models.registry import _unfetched
-            raise _unfetched(name, 'model.safetensors', e) from None
-        kwargs['pretrained_cfg_overlay'] = dict(overlay, hf_hub_filename='model.safetensors')
+    from huggingface_hub.errors import EntryNotFoundError
+    from ..compat import download_from_hf
+    try:  # (fetched here, so that a repo without it is named; timm then reads the cached copy)
+        download_from_hf(ident, 'model.safetensors', cache_dir=kwargs.get('cache_dir'))
+    except EntryNotFoundError as e:
+        from ..models.registry import _unfetched
+        raise _unfetched(name, 'model.safetensors', e) from None
+    kwargs['pretrained_cfg_overlay'] = dict(overlay, hf_hub_filename='model.safetensors')
 
 
 # --- the plain backbone -----------------------------------------------------------------------------------------
-def _patchhead(source) -> nn.Module:
+def _patchhead(source, cache_dir=None) -> nn.Module:
     if isinstance(source, nn.Module):
         return source
     if os.path.isfile(source):
@@ -158,7 +174,7 @@ def _patchhead(source) -> nn.Module:
             ('.safetensors', '.pth', '.pt', '.bin'))):  # a path, not a name or a source timm parses (hf-hub:, ...)
         raise FileNotFoundError(f'{source}: no such file (a source is a checkpoint file, hf-hub:<repo>, '
                                 f'local-dir:<folder> or a registered tag)')
-    return load_model(source, pretrained=True)
+    return load_model(source, pretrained=True, **({'cache_dir': cache_dir} if cache_dir is not None else {}))
 
 
 def backbone_state_dict(source, name: Optional[str] = None) -> Tuple[str, Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -184,7 +200,7 @@ def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Mod
     Loading goes through timm's ``pretrained_cfg_overlay``, so timm's own adaptation applies: a different
     ``num_classes`` re-initialises the classifier, ``in_chans`` adapts the stem. ``kwargs`` go to timm.
     """
-    src = _patchhead(source)
+    src = _patchhead(source, kwargs.get('cache_dir'))
     arch, state, cfg = backbone_state_dict(src, None if isinstance(source, nn.Module) else str(source))
     # the build arguments timm's factory recorded: the backbone's (a model made by create_patchhead or
     # PatchHeadModel has only those), then the whole model's

@@ -305,10 +305,12 @@ def _unfetched(where: str, name: str, e: Exception) -> Exception:
 
 def _safe_backbone_overlay(arch: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
     """The overlay under which timm reads the backbone's weights from safetensors only: where the cfg it resolves
-    (a tag of ``arch``, or its default, with the caller's cfg and overlay) reads a Hub repo, the repo's
-    ``model.safetensors`` (or the safetensors twin of the file it names) and never the pickle file timm would fall
-    back to; a tag whose weights are a pickled URL is refused. A cfg with its own loader (``custom_load``: .npz
-    files) is left to it."""
+    (a tag of ``arch``, or its default, with the caller's cfg and overlay) names a Hub repo, the repo's
+    ``model.safetensors`` (or the safetensors twin of the file it names), never the pickle file timm would fall back
+    to, and never the tag's ``url`` (which ``TIMM_USE_OLD_CACHE`` reads first once it is cached); a tag whose weights
+    are a pickled URL alone is refused. A loader of the tag's own (``custom_load``: ``'hf'`` for a Hub repo, any for
+    a file or URL; they read .npz files) is left to it: timm applies a ``custom_load`` of ``True`` to a file or URL
+    only, and reads a Hub repo's weights as any other's then."""
     if isinstance(pretrained_cfg, str):
         base = get_pretrained_cfg(f'{arch}.{pretrained_cfg}')
     elif pretrained_cfg is None:
@@ -317,27 +319,20 @@ def _safe_backbone_overlay(arch: str, pretrained_cfg, overlay) -> Optional[Dict[
         base = pretrained_cfg
     cfg = _cfg_dict(base)
     cfg.update(overlay or {})
-    if cfg.get('state_dict') is not None or cfg.get('file') or cfg.get('source') == 'local-dir' \
-            or cfg.get('custom_load'):
+    if cfg.get('state_dict') is not None or cfg.get('file') or cfg.get('source') == 'local-dir':
         return overlay
-    if cfg.get('hf_hub_id') and (cfg.get('source') == 'hf-hub' or not (cfg.get('url') and _old_cache())):
+    if cfg.get('hf_hub_id'):
+        if cfg.get('custom_load') == 'hf':
+            return overlay
         name = _safe_hub_name(cfg.get('hf_hub_filename'))
         if name is None:
             raise _not_safetensors(f'the weights of {arch} at {cfg["hf_hub_id"]} ({cfg.get("hf_hub_filename")})')
-        return overlay if name == cfg.get('hf_hub_filename') else dict(overlay or {}, hf_hub_filename=name)
+        return dict(overlay or {}, hf_hub_filename=name, **({'url': None} if cfg.get('url') else {}))
     url = cfg.get('url')
-    if url and not str(url).split('?')[0].endswith('.safetensors'):
+    if url and not cfg.get('custom_load') and not str(url).split('?')[0].endswith('.safetensors'):
         raise _not_safetensors(f'the weights of {arch} at {url} are a pickle file; load them with timm alone, '
                                f'save the state dict with safetensors and pass pretrained_cfg_overlay=dict(file=...)')
     return overlay
-
-
-def _old_cache() -> bool:
-    """timm's documented switch that reads a tag's ``url`` before its Hub repo."""
-    try:
-        return int(os.environ.get('TIMM_USE_OLD_CACHE', 0)) > 0
-    except ValueError:
-        return False
 
 
 class _backbone_file_errors:
