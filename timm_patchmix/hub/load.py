@@ -94,15 +94,15 @@ def _read_config(source: str, cache_dir=None) -> Dict[str, Any]:
             raise CheckpointError(f'{ident} has no config.json; a Hub folder from `python -m timm_patchmix.hub '
                                   f'export` holds config.json and model.safetensors')
     else:
-        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+        from huggingface_hub.errors import EntryNotFoundError
         from ..compat import download_from_hf
+        from ..models.registry import _fetch_failure
         try:
             path = download_from_hf(ident, 'config.json', cache_dir=cache_dir)
         except EntryNotFoundError as e:
-            why = ('it is not in the local cache and the Hub could not be reached'
-                   if isinstance(e, LocalEntryNotFoundError) else 'the repository has none')
-            raise CheckpointError(f'{source}: its config.json could not be fetched ({why}); a Hub repository from '
-                                  f'`timm-patchmix hub export` holds config.json and model.safetensors') from None
+            raise CheckpointError(f'{source}: its config.json could not be fetched ({_fetch_failure(e)}); a Hub '
+                                  f'repository from `timm-patchmix hub export` holds config.json and '
+                                  f'model.safetensors') from None
     try:
         with open(path, encoding='utf-8') as f:
             cfg = json.load(f)

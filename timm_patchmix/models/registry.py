@@ -294,13 +294,32 @@ def _caller_hub_file(pretrained_cfg, overlay, cache_dir) -> Optional[Dict[str, A
     return dict(overlay or {}, file=path, hf_hub_filename=name)
 
 
+def _fetch_failure(e: Exception) -> str:
+    """Why a Hub file could not be had, in words (huggingface_hub's ``EntryNotFoundError`` or its subclass for a
+    file neither in the cache nor reachable)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    return ('it is not in the local cache and the Hub could not be reached' if isinstance(e, LocalEntryNotFoundError)
+            else 'the repository has no such file')
+
+
 def _unfetched(where: str, name: str, e: Exception) -> Exception:
     """A Hub repo's safetensors file that could not be had: not in the cache while the Hub cannot be reached, or
     the repo holds none (timm alone would have read its pickle file then)."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    why = ('it is not in the local cache and the Hub could not be reached' if isinstance(e, LocalEntryNotFoundError)
-           else 'the repository has no such file')
-    return _not_safetensors(f'{where}: its {name} could not be fetched ({why})')
+    return _not_safetensors(f'{where}: its {name} could not be fetched ({_fetch_failure(e)})')
+
+
+def _backbone_cfg(arch: str, pretrained_cfg, overlay) -> Dict[str, Any]:
+    """The pretrained cfg timm resolves for ``arch``'s weights: a tag's (a name; None: the architecture's
+    default), or the caller's cfg, with the overlay on top."""
+    if isinstance(pretrained_cfg, str):
+        base = get_pretrained_cfg(f'{arch}.{pretrained_cfg}')
+    elif pretrained_cfg is None:
+        base = get_pretrained_cfg(arch)
+    else:
+        base = pretrained_cfg
+    cfg = _cfg_dict(base)
+    cfg.update(overlay or {})
+    return cfg
 
 
 def _safe_backbone_overlay(arch: str, pretrained_cfg, overlay) -> Optional[Dict[str, Any]]:
@@ -311,14 +330,7 @@ def _safe_backbone_overlay(arch: str, pretrained_cfg, overlay) -> Optional[Dict[
     are a pickled URL alone is refused. A loader of the tag's own (``custom_load``: ``'hf'`` for a Hub repo, any for
     a file or URL; they read .npz files) is left to it: timm applies a ``custom_load`` of ``True`` to a file or URL
     only, and reads a Hub repo's weights as any other's then."""
-    if isinstance(pretrained_cfg, str):
-        base = get_pretrained_cfg(f'{arch}.{pretrained_cfg}')
-    elif pretrained_cfg is None:
-        base = get_pretrained_cfg(arch)
-    else:
-        base = pretrained_cfg
-    cfg = _cfg_dict(base)
-    cfg.update(overlay or {})
+    cfg = _backbone_cfg(arch, pretrained_cfg, overlay)
     if cfg.get('state_dict') is not None or cfg.get('file') or cfg.get('source') == 'local-dir':
         return overlay
     if cfg.get('hf_hub_id'):
@@ -336,13 +348,12 @@ def _safe_backbone_overlay(arch: str, pretrained_cfg, overlay) -> Optional[Dict[
 
 
 class _backbone_file_errors:
-    """A damaged safetensors file named for the backbone: a CheckpointError naming it, not safetensors' own."""
+    """A damaged safetensors file named for the backbone, or a Hub repo's safetensors file that could not be had: a
+    CheckpointError naming it, not safetensors' or huggingface_hub's own."""
 
-    def __init__(self, pretrained_cfg, overlay, arch: Optional[str] = None):
+    def __init__(self, pretrained_cfg, overlay, arch: str):
         self.named = _named_file(pretrained_cfg, overlay)
-        cfg = _cfg_dict(get_pretrained_cfg(f'{arch}.{pretrained_cfg}') if isinstance(pretrained_cfg, str) and arch
-                        else get_pretrained_cfg(arch) if pretrained_cfg is None and arch else pretrained_cfg)
-        cfg.update(overlay or {})
+        cfg = _backbone_cfg(arch, pretrained_cfg, overlay)
         self.hub, self.hub_file = cfg.get('hf_hub_id'), cfg.get('hf_hub_filename') or 'model.safetensors'
 
     def __enter__(self):
