@@ -270,7 +270,7 @@ def test_a_model_of_other_input_channels_is_refused_before_the_run(tmp_path, cap
     from timm.models import save_for_hf
     m = timm.create_model('resnet8_cifar', in_chans=4, num_classes=10)
     m.pretrained_cfg = dict(m.pretrained_cfg, input_size=(4, 32, 32))
-    save_for_hf(m, str(tmp_path / 'four'), model_args={'in_chans': 4})
+    save_for_hf(m, str(tmp_path / 'four'), model_args={'in_chans': 4}, safe_serialization=True)
     with pytest.raises(SystemExit) as e:
         train.cli(TINY + ['--model', f'local-dir:{tmp_path / "four"}', '--pretrained', '--output', str(tmp_path),
                           '--experiment', 'run'])
