@@ -167,3 +167,80 @@ def test_samples_with_further_fields_collate_as_timm_reads_them():
             collate(bad)
     with pytest.raises(ValueError, match='collate expects CHW numpy arrays or tensors, got tuple at index 0'):
         collate([((imgs[0], imgs[1]), 0)])  # e.g. a split of augmented views, which this collate does not take
+
+
+def test_timm_settings_changed_on_the_collate_take_effect():
+    """timm's FastCollateMixup reads mode, mix_prob, label_smoothing and num_classes at every call; the collate-mixer
+    set them on itself at construction and then ignored them (only mixup_enabled reached the mixer), so a changed
+    setting silently gave the old mix. They are now the mixer's, checked when set."""
+    batch, _, _ = make_batch(6)
+    col = FastCollatePatchMix(grid=(4, 3), num_classes=7, mode='elem', prob=1.0)
+    assert (col.mode, col.mix_prob, col.label_smoothing, col.num_classes) == ('elem', 1.0, 0.0, 7)
+    col.mode, col.mix_prob, col.label_smoothing = 'pair', 0.5, 0.3
+    ref = FastCollatePatchMix(grid=(4, 3), num_classes=7, mode='pair', prob=0.5, label_smoothing=0.3)
+    params = col.sample(6, generator=torch.Generator().manual_seed(1))
+    ref_params = ref.sample(6, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(params.partner, ref_params.partner) and torch.equal(params.mask, ref_params.mask)
+    images, packed = col.apply(batch, params)
+    ref_images, ref_packed = ref.apply(batch, ref_params)
+    assert torch.equal(images, ref_images) and torch.equal(packed, ref_packed)
+    assert split_target(packed)[0].min() > 0  # smoothed: no class has probability 0
+
+    col.mix_prob = 0.0
+    images, packed = col(batch)
+    assert torch.equal(images, torch.from_numpy(np.stack([b[0] for b in batch])))
+    assert torch.equal(packed[:, 2], torch.ones(6))  # lam 1: nothing mixed
+
+    col.num_classes = 9
+    assert split_target(col(batch)[1])[0].shape == (6, 9)
+    for name, bad, words in (('mode', 'bogus', 'mode must be one of'), ('mix_prob', 1.5, 'prob must be a finite'),
+                             ('label_smoothing', 1.0, 'label_smoothing must be'),
+                             ('num_classes', 0, 'num_classes must be a positive int')):
+        before = getattr(col, name)
+        with pytest.raises(ValueError, match=words):
+            setattr(col, name, bad)
+        assert getattr(col, name) == before  # the mixer keeps its setting
+
+
+def test_mixer_settings_are_checked_when_changed():
+    """Setting PatchMix.mode to an unknown value ran pair mode without a word; every setting the constructor
+    checks is now checked when changed."""
+    mixer = PatchMix(grid=2, num_classes=3)
+    for name, bad in (('mode', 'Elem'), ('prob', -0.1), ('label_smoothing', float('nan')), ('num_classes', 2.5)):
+        with pytest.raises(ValueError, match=f'{name} must be'):
+            setattr(mixer, name, bad)
+    assert (mixer.mode, mixer.prob, mixer.label_smoothing, mixer.num_classes) == ('elem', 1.0, 0.0, 3)
+    mixer.mode, mixer.prob = 'batch', 0.25
+    assert repr(mixer) == ("PatchMix(grid=(2, 2), alpha=1.0, prob=0.25, mode='batch', label_smoothing=0.0, "
+                           "num_classes=3)")
+
+
+def test_guided_collate_settings_are_its_guided_mixers():
+    """On the guided collate, label_smoothing smooths every sample's labels (those of the guided mixer, which makes
+    the batch); num_classes is the mask table's."""
+    batch, _, _ = make_batch(8)
+    table = MaskTable((4, 3), 7, [str(c) for c in range(7)], 'fp', [(0, 1)], [np.ones((4, 3), bool)], [0.1], 0.1)
+    col = FastCollateGuidedPatchMix(table, num_classes=7, guided_prob=0.0, random_prob=0.0)
+    assert (col.mode, col.mix_prob, col.label_smoothing, col.num_classes) == ('elem', 1.0, 0.0, 7)
+    _, packed = col(batch)
+    assert split_target(packed)[0].max() == 1.0
+    col.label_smoothing = 0.7
+    _, packed = col(batch)
+    assert torch.allclose(split_target(packed)[0].max(1).values, torch.full((8,), 0.3 + 0.7 / 7))
+    assert col.guided.mixer.label_smoothing == 0.7
+    with pytest.raises(ValueError, match=r'num_classes is that of the mask table \(7\), got 9'):
+        col.num_classes = 9
+    col.num_classes = 7
+
+
+def test_numpy_views_with_negative_strides_collate():
+    """A flipped numpy view (negative strides, as np.flip gives) was refused by torch.from_numpy; timm's collates
+    copy it."""
+    batch, imgs, _ = make_batch(3)
+    flipped = [(np.flip(img, 2), y) for img, y in batch]
+    col = FastCollatePatchMix(grid=2, num_classes=7)
+    params = col.sample(3, generator=torch.Generator().manual_seed(0))
+    images, packed = col.apply(flipped, params)
+    ref, ref_packed = col.apply([(img[:, :, ::-1].copy(), y) for img, y in batch], params)
+    assert torch.equal(images, ref) and torch.equal(packed, ref_packed)
+    assert torch.equal(col.stack(flipped)[0], torch.from_numpy(imgs[:, :, :, ::-1].copy()))

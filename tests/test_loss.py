@@ -288,3 +288,27 @@ def test_a_packed_target_of_another_class_count_and_the_same_width_is_refused_of
         with pytest.raises(ValueError, match=re.escape(f'target of shape {list(target.shape)} is neither class '
                                                        f'indices')):
             PatchMixLoss(**kw)(out, target)
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(grid=2), dict(patch_loss=False), dict(bce=True), dict(image_loss=False)])
+@pytest.mark.parametrize('prob,smoothing', [(1.0, 0.0), (0.0, 0.0), (0.5, 0.1)])
+def test_a_packed_target_as_wide_as_the_models_classes_is_refused(kw, prob, smoothing):
+    """A packed target of 4 classes on a 2x2 grid is 3 + 8 + 4 = 15 columns wide: for a 15-class model it has the
+    width of a soft target and was scored as one (its header, lam and cell masks read as class probabilities),
+    without a word. It is now refused by its class count; soft targets of 15 classes still score."""
+    from timm.data import Mixup
+    _, packed = PatchMix(grid=2, num_classes=4, prob=prob, label_smoothing=smoothing)(
+        torch.rand(3, 3, 8, 8), torch.tensor([0, 1, 2]))
+    assert packed.shape == (3, 15)
+    for out in (torch.randn(3, 15), (torch.randn(3, 15), torch.randn(3, 4, 15))):
+        with pytest.raises(ValueError, match=re.escape('packed target holds 4 classes (a 2x2 grid) but the model '
+                                                       'has 15; mix with num_classes=15')):
+            PatchMixLoss(**kw)(out, packed)
+    logits = torch.randn(4, 15)
+    for mixup in (Mixup(mixup_alpha=1.0, num_classes=15, label_smoothing=0.0),
+                  Mixup(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=15, label_smoothing=0.1)):
+        _, soft = mixup(torch.rand(4, 3, 8, 8), torch.tensor([0, 1, 2, 14]))
+        loss = PatchMixLoss(**{k: v for k, v in kw.items() if k not in ('image_loss', 'patch_loss')}, patch_loss=False)
+        ref = (F.binary_cross_entropy_with_logits(logits, soft, reduction='none').mean(1) if kw.get('bce')
+               else -(soft * F.log_softmax(logits, -1)).sum(1))
+        assert torch.allclose(loss(logits, soft), ref.mean())

@@ -30,13 +30,55 @@ class FastCollatePatchMix(FastCollateMixup):
                  label_smoothing: float = 0.0, num_classes: Optional[int] = None):
         self.mixer = PatchMix(grid=grid, alpha=alpha, prob=prob, mode=mode, label_smoothing=label_smoothing,
                               num_classes=num_classes)
-        # timm's attributes, kept so code that inspects a FastCollateMixup sees consistent values
+        # timm's attributes, so code that inspects a FastCollateMixup sees consistent values; mode, mix_prob,
+        # label_smoothing, num_classes and mixup_enabled are the mixer's own (the properties below)
         super().__init__(mixup_alpha=0.0, cutmix_alpha=0.0, prob=prob, mode=mode,
                          label_smoothing=label_smoothing, num_classes=num_classes)
 
     def _switched(self):
         """The mixers that ``mixup_enabled`` switches on and off."""
         return [self.mixer]
+
+    def _batch_mixer(self) -> PatchMix:
+        """The mixer whose settings timm's ``mode``, ``mix_prob`` and ``label_smoothing`` are."""
+        return self.mixer
+
+    # timm's FastCollateMixup reads these at every call, so a change takes effect at the next batch; here they are
+    # the mixer's settings, checked as the mixer checks them (a bad value is an error naming it)
+    @property
+    def mode(self) -> str:
+        return self._batch_mixer().mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        self._batch_mixer().mode = value
+
+    @property
+    def mix_prob(self) -> float:
+        return self._batch_mixer().prob
+
+    @mix_prob.setter
+    def mix_prob(self, value: float) -> None:
+        self._batch_mixer().prob = value
+
+    @property
+    def label_smoothing(self) -> float:
+        return self._batch_mixer().label_smoothing
+
+    @label_smoothing.setter
+    def label_smoothing(self, value: float) -> None:
+        self._batch_mixer().label_smoothing = value
+
+    @property
+    def num_classes(self) -> int:
+        return self._batch_mixer().num_classes
+
+    @num_classes.setter
+    def num_classes(self, value: int) -> None:
+        self._set_num_classes(value)
+
+    def _set_num_classes(self, value: int) -> None:
+        self.mixer.num_classes = value
 
     @property
     def mixup_enabled(self) -> bool:
@@ -75,7 +117,8 @@ class FastCollatePatchMix(FastCollateMixup):
         images = []
         for i, b in enumerate(batch):
             img = b[0]
-            t = torch.from_numpy(img) if isinstance(img, np.ndarray) else img
+            # (a flipped view has negative strides, which torch.from_numpy refuses: copied, as timm's collates do)
+            t = torch.from_numpy(np.ascontiguousarray(img)) if isinstance(img, np.ndarray) else img
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f'collate expects numpy arrays or tensors, got {type(img).__name__} at index {i}')
             if t.dtype != torch.uint8:
@@ -127,6 +170,13 @@ class FastCollateGuidedPatchMix(FastCollatePatchMix):
 
     def _switched(self):
         return [self.mixer, self.guided]
+
+    def _batch_mixer(self) -> PatchMix:
+        return self.guided.mixer  # the draw of the random-PatchMix samples, and every sample's label smoothing
+
+    def _set_num_classes(self, value: int) -> None:
+        if value != self.guided.num_classes:
+            raise ValueError(f'num_classes is that of the mask table ({self.guided.num_classes}), got {value!r}')
 
     def _apart(self, what: str):
         # the inherited sample/apply use the random mixer alone: a replay through them would be Random PatchMix

@@ -106,13 +106,8 @@ class PatchMixLoss(nn.Module):
         the read waits for the device, the first call of each target width and device does, so later steps run
         without a host synchronisation. Nothing is read while ``torch.compile`` or ``torch.jit.trace`` traces, while
         a CUDA graph captures, or from a meta tensor or a tensor subclass (a fake tensor has no values)."""
-        if (target.shape[0] == 0 or torch.compiler.is_compiling() or torch.jit.is_tracing()
-                or target.device.type == 'meta' or type(target) is not torch.Tensor):
-            return  # traced, or values not there to read (a meta tensor, a subclass such as a fake tensor)
         key = (target.device, target.shape[1], c, ncell)
-        on_host = target.device.type == 'cpu'
-        if not on_host and (key in self._headers_read
-                            or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if not self._to_read(target, key):
             return
         rows, cols = (int(v) for v in target[0, :2].tolist())
         if self.grid is not None and (rows, cols) != self.grid and rows * cols == ncell:
@@ -124,8 +119,44 @@ class PatchMixLoss(nn.Module):
             raise ValueError(f'packed target was built for a {rows}x{cols} grid ({rows * cols} cells) and '
                              f'{packed_c:g} classes, but the model gives {ncell} patch logits of {c} classes; mix with '
                              f'the grid and num_classes of the model')
-        if not on_host:
+        self._read(target, key)
+
+    def _to_read(self, target: torch.Tensor, key: tuple) -> bool:
+        """Whether a check reads ``target``'s first row for the layout ``key``: every call on the CPU, the first
+        of each layout on an accelerator (where the read waits for the device), never while tracing or capturing or
+        where no values are there to read (a meta tensor, a subclass such as a fake tensor)."""
+        if (target.shape[0] == 0 or torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or target.device.type == 'meta' or type(target) is not torch.Tensor):
+            return False
+        return target.device.type == 'cpu' or not (
+            key in self._headers_read or (target.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+    def _read(self, target: torch.Tensor, key: tuple) -> None:
+        """Record that ``target``'s layout ``key`` passed its check (on an accelerator, it is not read again)."""
+        if target.device.type != 'cpu':
             self._headers_read.add(key)
+
+    def _check_not_packed(self, target: torch.Tensor, c: int) -> None:
+        """A ``[B, c]`` target has the width of a packed target of fewer classes where ``3 + 2k + cells == c``
+        (one mixed for another ``num_classes``): scored as a soft target, its header, lam and cell masks would be
+        read as class probabilities. Its first row is read (when ``_to_read`` says) and one that holds a packed
+        target's fields (an integer grid header, lam in [0, 1], two label rows that each sum to 1, 0/1 cells)
+        is refused; a soft target of ``c`` classes (its row sums to 1) cannot hold them all."""
+        key = ('soft', target.device, c)
+        if not self._to_read(target, key):
+            return
+        row = target[0].detach().double().cpu()
+        rows, cols = float(row[0]), float(row[1])
+        k = (_packed_class_count(c, int(rows), int(cols))
+             if rows.is_integer() and cols.is_integer() and rows >= 1 and cols >= 1 else None)
+        if k is not None:
+            lam, cells = float(row[2]), row[_HEADER + 2 * k:]
+            sums = row[_HEADER:_HEADER + k].sum(), row[_HEADER + k:_HEADER + 2 * k].sum()
+            if (0 <= lam <= 1 and all(abs(float(v) - 1) < 1e-4 for v in sums)
+                    and bool(((cells == 0) | (cells == 1)).all())):
+                raise ValueError(f'packed target holds {k} classes (a {int(rows)}x{int(cols)} grid) but the model '
+                                 f'has {c}; mix with num_classes={c}')
+        self._read(target, key)
 
     def _rows(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of each row (over the last dim): the soft cross-entropy, or the BCE with ``bce``."""
@@ -164,6 +195,7 @@ class PatchMixLoss(nn.Module):
             image_t = soft_target(target, c, self.smoothing, device=logits.device)
             patch_t = image_t.unsqueeze(1) if use_patch else None
         elif target.ndim == 2 and target.shape[1] == c:
+            self._check_not_packed(target, c)
             if use_patch:
                 raise ValueError('a soft [B, C] target has no per-cell labels for the patch loss; pass a packed '
                                  'PatchMix target or class indices, or use PatchMixLoss(patch_loss=False)')

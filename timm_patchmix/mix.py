@@ -535,13 +535,6 @@ class PatchMix:
                  label_smoothing: float = 0.0, num_classes: Optional[int] = None, cuda_graph: bool = True):
         self.grid = to_grid(grid)
         alpha = _number(alpha, 'alpha', 0.0, low_open=True)
-        prob = _number(prob, 'prob', 0.0, 1.0)
-        if mode not in MIX_MODES:
-            raise ValueError(f'mode must be one of {MIX_MODES}, got {mode!r}')
-        label_smoothing = _number(label_smoothing, 'label_smoothing', 0.0, 1.0, high_open=True)
-        if not isinstance(num_classes, numbers.Integral) or isinstance(num_classes, (bool, np.bool_)) \
-                or num_classes < 1:
-            raise ValueError(f'num_classes must be a positive int, got {num_classes!r}')
         if not isinstance(cuda_graph, bool):
             raise ValueError(f'cuda_graph must be True or False, got {cuda_graph!r}')
         self.cuda_graph = cuda_graph
@@ -549,11 +542,46 @@ class PatchMix:
         self._replayed: Dict[torch.device, torch.cuda.Event] = {}  # per device, after the last replay's readers
         self._graph_lock = threading.Lock()
         self.alpha = float(alpha)
-        self.prob = float(prob)
-        self.mode = mode
-        self.label_smoothing = float(label_smoothing)
-        self.num_classes = int(num_classes)
+        self.prob, self.mode, self.label_smoothing, self.num_classes = prob, mode, label_smoothing, num_classes
         self.mixup_enabled = True  # timm's train loop switches mixing off through this flag
+
+    # The settings below may change between calls, as timm's Mixup attributes may: each is checked when set, so a
+    # bad value is an error naming it, not a silently different mix at the next batch.
+    @property
+    def prob(self) -> float:
+        return self._prob
+
+    @prob.setter
+    def prob(self, value: float) -> None:
+        self._prob = _number(value, 'prob', 0.0, 1.0)
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MIX_MODES:
+            raise ValueError(f'mode must be one of {MIX_MODES}, got {value!r}')
+        self._mode = value
+
+    @property
+    def label_smoothing(self) -> float:
+        return self._label_smoothing
+
+    @label_smoothing.setter
+    def label_smoothing(self, value: float) -> None:
+        self._label_smoothing = _number(value, 'label_smoothing', 0.0, 1.0, high_open=True)
+
+    @property
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    @num_classes.setter
+    def num_classes(self, value: int) -> None:
+        if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < 1:
+            raise ValueError(f'num_classes must be a positive int, got {value!r}')
+        self._num_classes = int(value)
 
     @property
     def num_cells(self) -> int:
