@@ -115,21 +115,24 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize('where', ['before_removal', 'before_state'])
+@pytest.mark.parametrize('where', ['before_state', 'before_own_file', 'before_removal'])
 def test_a_run_stopped_while_saving_resumes_to_the_same_files(uninterrupted, tmp_path, monkeypatch, where):
-    """Stopped while saving epoch 3: after its checkpoint file is written but before a displaced one is removed,
-    or after the removal but before the state that no longer lists it; the resumed run ends with the uninterrupted
-    run's files, tensor for tensor."""
+    """Stopped while saving epoch 3: before its state, after the state but before its own checkpoint file, or after
+    that file but before a displaced one is removed; the resumed run ends with the uninterrupted run's files, tensor
+    for tensor (the state is written first: the resume writes the epoch's file from it and removes the files it
+    no longer lists)."""
     rows = _rows(uninterrupted)
-    displaced = set(sorted(range(3), key=lambda e: (-rows[e]['eval_top1'], e))[:2]) - set(
-        sorted(range(4), key=lambda e: (-rows[e]['eval_top1'], e))[:2])
+    kept_at_3 = sorted(range(4), key=lambda e: (-rows[e]['eval_top1'], e))[:2]
+    displaced = set(sorted(range(3), key=lambda e: (-rows[e]['eval_top1'], e))[:2]) - set(kept_at_3)
     if where == 'before_removal' and not displaced:
         pytest.skip('epoch 3 displaced no kept epoch in this run')
-    real_remove, real_save_state = os.remove, ckpt_io.save_state
+    if where == 'before_own_file' and 3 not in kept_at_3:
+        pytest.skip('epoch 3 is not kept in this run')
+    real_remove, real_save_state, real_save_weights = os.remove, ckpt_io.save_state, ckpt_io.save_weights
     saved = []
 
     def remove(path, *a, **k):
-        if os.path.basename(path).startswith('checkpoint-') and len(saved) == 3:  # while saving epoch 3
+        if where == 'before_removal' and os.path.basename(path).startswith('checkpoint-') and len(saved) == 4:
             raise _Stop(path)
         return real_remove(path, *a, **k)
 
@@ -139,20 +142,53 @@ def test_a_run_stopped_while_saving_resumes_to_the_same_files(uninterrupted, tmp
         real_save_state(path, model_state, optimizer, meta, *a, **k)
         saved.append(meta['epoch'])
 
+    def save_weights(path, *a, **k):
+        if where == 'before_own_file' and os.path.basename(path) == CHECKPOINT_NAME.format(3):
+            raise _Stop(path)
+        return real_save_weights(path, *a, **k)
+
     monkeypatch.setattr(os, 'remove', remove)
     monkeypatch.setattr(ckpt_io, 'save_state', save_state)
+    monkeypatch.setattr(ckpt_io, 'save_weights', save_weights)
     cfg = TrainConfig(output=str(tmp_path), experiment='stopped', **TINY)
     with pytest.raises(_Stop):
         train(cfg)
     monkeypatch.undo()
     out = os.path.join(tmp_path, 'stopped')
-    assert [int(r['epoch']) for r in _rows(out)] == [0, 1, 2] and saved == [0, 1, 2]
-    assert CHECKPOINT_NAME.format(3) in _files(out) or where == 'before_state'
+    assert [int(r['epoch']) for r in _rows(out)] == [0, 1, 2]  # summary.csv comes last
+    assert saved == ([0, 1, 2] if where == 'before_state' else [0, 1, 2, 3])
+    assert (CHECKPOINT_NAME.format(3) in _files(out)) == (where == 'before_removal')
+    if where == 'before_removal':
+        assert set(_files(out)) > {CHECKPOINT_NAME.format(e) for e in displaced}
     train(TrainConfig(output=str(tmp_path), experiment='stopped', resume=os.path.join(out, 'state.safetensors'),
                       **TINY))
     assert _files(out) == _files(uninterrupted)
     for name in _files(out) + ['best.safetensors', 'last.safetensors']:
         assert _same_tensors(os.path.join(out, name), os.path.join(uninterrupted, name)), name
+
+
+def test_a_rerun_that_fails_writing_its_first_state_leaves_the_earlier_runs_files(tmp_path, monkeypatch):
+    """A rerun into a folder (another seed) whose first state could not be written (a full disk) had already
+    removed the earlier run's results.json and fgsm.json and its displaced history files and written its own
+    checkpoint-0 over the earlier one's, which a resume of the earlier run then took for its own epoch 0. Nothing
+    changes now before the state is written: every file is as the earlier run left it, byte for byte."""
+    cfg = dict(TINY, epochs=2, checkpoint_hist=2, holdout=0.25, test_subset=24, fgsm=(0.1,))
+    out = train(TrainConfig(output=str(tmp_path), experiment='run', **cfg)).output
+    names = sorted(os.listdir(out))
+    assert {'results.json', 'fgsm.json', CHECKPOINT_NAME.format(0), CHECKPOINT_NAME.format(1)} <= set(names)
+    before = {n: open(os.path.join(out, n), 'rb').read() for n in names}
+    real = ckpt_io.save_state
+
+    def full_disk(path, *a, **k):
+        raise OSError(28, 'No space left on device', path)
+
+    monkeypatch.setattr(ckpt_io, 'save_state', full_disk)
+    with pytest.raises(OSError, match='No space left on device'):
+        train(TrainConfig(output=str(tmp_path), experiment='run', **dict(cfg, seed=5, checkpoint_hist=1)))
+    monkeypatch.setattr(ckpt_io, 'save_state', real)
+    assert sorted(os.listdir(out)) == names
+    for n in names:
+        assert open(os.path.join(out, n), 'rb').read() == before[n], n
 
 
 def test_without_the_flag_no_file_of_that_name_is_touched(tmp_path):

@@ -8,7 +8,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -311,43 +311,55 @@ def write_start(out_dir: str, cfg: TrainConfig, rows: List[Dict[str, Any]]) -> b
 
 def save_epoch(out_dir: str, model: torch.nn.Module, optimizer, meta: Dict[str, Any], state_meta: Dict[str, Any],
                improved: bool, ema: Optional[torch.nn.Module] = None,
-               history: Optional[Tuple[List[int], List[int]]] = None) -> None:
-    """An epoch's files: ``state.safetensors`` (to resume from), then ``best.safetensors`` when it improved and
-    ``last.safetensors`` (a resume restores them from the state, see :func:`restore_weights_files`), and
-    ``summary.csv`` (``state_meta['rows']``), each written atomically. With ``ema`` (``--model-ema``'s
+               history: Optional[Tuple[List[int], List[int]]] = None, clear: Sequence[str] = ()) -> None:
+    """An epoch's files, each written atomically: ``state.safetensors`` (to resume from) first, then
+    ``best.safetensors`` when it improved and ``last.safetensors`` (a resume restores them from the state, see
+    :func:`restore_weights_files`), and ``summary.csv`` (``state_meta['rows']``). With ``ema`` (``--model-ema``'s
     averaged model), the weights files hold its weights, the ones evaluated, and the state holds both.
 
-    ``history``: ``--checkpoint-hist``'s epochs to keep and to remove (:func:`checkpoint_history`). The epoch's
-    ``checkpoint-<epoch>.safetensors`` (last's content) is written when kept, else a file of that name (left by a
-    run stopped while saving this epoch) is removed; the displaced epochs' files go before the state that no
-    longer lists them is written, so a run stopped at any point resumes to the same files, as do those of epochs
-    the state never listed (an earlier run's in the folder, or a stopped run's of an epoch redone): with the flag,
-    the folder's history files are the state's. Without it, the state lists ``state_meta['checkpoints']`` as given
-    (a resume without ``--checkpoint-hist`` carries the kept epochs on, touching none of their files)."""
+    Nothing in the folder changes before the state is written, so a save that fails there (a full disk) or a run
+    stopped before it leaves every file as it was, an earlier run's in the folder included. After it, ``clear``
+    (names of files that describe the weights of a run that ended in the folder) are removed.
+
+    ``history``: ``--checkpoint-hist``'s epochs to keep and to remove (:func:`checkpoint_history`). After the state
+    that lists the kept epochs, the epoch's ``checkpoint-<epoch>.safetensors`` (last's content) is written when
+    kept, else a file of that name is removed, and then the history files the state does not list (displaced
+    epochs, and those of an earlier run in the folder or of a stopped run's epoch redone): with the flag, the
+    folder's history files are the state's. A run stopped before its epoch's file is written resumes with it
+    written from the state, and one stopped before the removals with them done (:func:`restore_weights_files`).
+    Without the flag, the state lists ``state_meta['checkpoints']`` as given (a resume without
+    ``--checkpoint-hist`` carries the kept epochs on, touching none of their files)."""
     from ..checkpoint import atomic_write_text, save_state, save_weights
     sd = model.state_dict()
     weights = ema.state_dict() if ema is not None else sd
     if history is not None:
-        keep, drop = history
-        own = os.path.join(out_dir, CHECKPOINT_NAME.format(meta['epoch']))
-        if meta['epoch'] in keep:
-            save_weights(own, weights, meta)
-        elif os.path.isfile(own):
-            os.remove(own)
-        stale = set(drop) | {int(m.group(1)) for m in map(_HISTORY_FILE.match, os.listdir(out_dir)) if m}
-        for e in sorted(stale - set(keep)):
-            path = os.path.join(out_dir, CHECKPOINT_NAME.format(e))
-            if os.path.isfile(path):
-                os.remove(path)
-        state_meta = dict(state_meta, checkpoints=list(keep))
+        state_meta = dict(state_meta, checkpoints=list(history[0]))
     extra = {EMA_PREFIX + k: v for k, v in weights.items()} if ema is not None else None
     save_state(os.path.join(out_dir, 'state.safetensors'), sd, optimizer, state_meta, extra)
+    for name in clear:
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    if history is not None:
+        own = os.path.join(out_dir, CHECKPOINT_NAME.format(meta['epoch']))
+        if meta['epoch'] in history[0]:
+            save_weights(own, weights, meta)
+        prune_history(out_dir, history[0])
     # best and last after the state that names their epoch: a run stopped before them left files the state can
     # restore (restore_weights_files), never a best.safetensors of an epoch its state does not know
     if improved:
         save_weights(os.path.join(out_dir, 'best.safetensors'), weights, meta)
     save_weights(os.path.join(out_dir, 'last.safetensors'), weights, meta)
     atomic_write_text(os.path.join(out_dir, 'summary.csv'), csv_text(state_meta['rows']))
+
+
+def prune_history(out_dir: str, keep: Sequence[int]) -> None:
+    """Remove the ``checkpoint-<epoch>.safetensors`` files of ``out_dir`` whose epoch is not in ``keep``."""
+    for m in map(_HISTORY_FILE.match, sorted(os.listdir(out_dir))):
+        if m and int(m.group(1)) not in keep:
+            path = os.path.join(out_dir, m.group(0))
+            if os.path.isfile(path):
+                os.remove(path)
 
 
 def _epoch_of(path: str) -> Optional[int]:
@@ -369,13 +381,15 @@ def _record_of(path: str) -> Tuple[Optional[int], Optional[Dict[str, Any]]]:
 
 
 def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: Dict[str, Any],
-                          stop_if_lost: bool = False) -> List[str]:
+                          stop_if_lost: bool = False, prune: bool = False) -> List[str]:
     """Before a resumed run trains: ``last.safetensors`` and ``best.safetensors`` in ``out_dir`` hold the epochs
     the state names. Those of the state's own epoch are written from the state's weights (``meta``: the run's
-    weights metadata); a best epoch before it is kept where the file's record (its epoch and summary row) is that
-    epoch's, else copied from the state's folder when its file is (a resume under another ``--experiment``), as are
-    the kept ``--checkpoint-hist`` files and the state file itself. So a run stopped between its state and its
-    weights files, or another run's files in the folder, never pass for this run's. Returns what cannot be
+    weights metadata), as is its ``--checkpoint-hist`` file when the state keeps one; a best epoch before it is
+    kept where the file's record (its epoch and summary row) is that epoch's, else copied from the state's folder
+    when its file is (a resume under another ``--experiment``), as are the other kept ``--checkpoint-hist`` files
+    and the state file itself. So a run stopped between its state and its weights files, or another run's files in
+    the folder, never pass for this run's. With ``prune`` (a resume with ``--checkpoint-hist``), the history files
+    the state does not list are removed, as a saved epoch removes them (:func:`save_epoch`). Returns what cannot be
     restored (the best epoch's weights, in neither folder), decided before anything is written: with
     ``stop_if_lost`` nothing is then written at all."""
     from ..checkpoint import atomic_copy, save_weights
@@ -396,8 +410,10 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
     wanted = [('last.safetensors', epoch)]
     if start.best is not None:
         wanted.append(('best.safetensors', start.best['epoch']))
-    if not same:
-        wanted += [(CHECKPOINT_NAME.format(e), e) for e in start.checkpoints]
+    history = [(CHECKPOINT_NAME.format(e), e) for e in start.checkpoints]
+    # (in place, a history file of the state's epoch is written only where missing or another's: without
+    # --checkpoint-hist a resume touches none that its run wrote)
+    wanted += [(name, e) for name, e in history if not same or (e == epoch and not holds(out_dir, name, e))]
     plan, lost = [], []
     for name, e in wanted:
         if e == epoch and weights is not None:
@@ -421,4 +437,6 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
             save_weights(os.path.join(out_dir, name), weights, own)
         else:
             atomic_copy(os.path.join(source, name), os.path.join(out_dir, name))
+    if prune:
+        prune_history(out_dir, start.checkpoints)
     return lost

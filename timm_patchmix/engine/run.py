@@ -416,7 +416,8 @@ def _restore_weights_files(cfg: TrainConfig, rt: Runtime, out_dir: str, start: R
     problems, failed = [], None
     if rt.primary:
         try:
-            problems = restore_weights_files(out_dir, cfg.resume, start, meta, stop_if_lost=needs_best)
+            problems = restore_weights_files(out_dir, cfg.resume, start, meta, stop_if_lost=needs_best,
+                                             prune=bool(cfg.checkpoint_hist))
         except OSError as e:  # (told to every rank, which would otherwise wait for rank 0 forever)
             failed = f'cannot resume from {cfg.resume}: restoring its weights files in {out_dir} failed: {e}'
     if rt.distributed:
@@ -556,15 +557,6 @@ class _EpochWriter:
         if not self.rt.primary:
             return
         cfg = self.cfg
-        if not self.ended_cleared:
-            # results.json and fgsm.json describe the best and final weights of a run that ended in this folder
-            # (an earlier run, or the one this resumes); the weights change now, and this run writes its own at
-            # its end. Left, they would pass for this run's (the model card reads results.json)
-            for name in ENDED_FILES:
-                path = os.path.join(self.out_dir, name)
-                if os.path.isfile(path):
-                    os.remove(path)
-            self.ended_cleared = True
         history = None
         if cfg.checkpoint_hist:
             history = checkpoint_history(rows, self.checkpoints, epoch, cfg.checkpoint_hist, cfg.eval_metric,
@@ -576,7 +568,13 @@ class _EpochWriter:
                     'scheduler': scheduler_state(self.stepper.scheduler), 'checkpoints': self.checkpoints,
                     **({'scaler': self.stepper.scaler.state_dict()} if self.stepper.scaler is not None else {})},
                    improved,
-                   self.stepper.ema.module if self.stepper.ema is not None else None, history)
+                   self.stepper.ema.module if self.stepper.ema is not None else None, history,
+                   # results.json and fgsm.json describe the best and final weights of a run that ended in this
+                   # folder (an earlier run, or the one this resumes); the weights change with this epoch's state,
+                   # and this run writes its own at its end. Left, they would pass for this run's (the model card
+                   # reads results.json)
+                   clear=() if self.ended_cleared else ENDED_FILES)
+        self.ended_cleared = True
         if history is not None:
             self.checkpoints = history[0]
         if self.args_pending:
