@@ -232,3 +232,25 @@ def test_an_abbreviated_config_flag_is_refused(tmp_path, capsys):
 def test_the_help_offers_it():
     text = build_parser().format_help()
     assert '-c FILE, --config FILE' in text and "-c output/train/<run>/args.yaml" in text
+
+
+def test_a_run_config_derived_with_another_batch_records_the_lr_it_trains_at(tmp_path):
+    """A run's resolved config (TrainResult.config: the rule's lr filled in, lr_source 'rule') derived with
+    dataclasses.replace trained at its lr but recorded lr_source 'rule', so -c args.yaml set the rule's lr for the
+    new batch size (or dropped an lr the caller set): the rerun trained at another lr. Where the rule gives the
+    derived config another lr, the lr is now recorded as given; an unchanged batch keeps the rule."""
+    import dataclasses
+    from timm_patchmix.engine import train
+    first = train(parse_config(TINY + ['--lr-base', '0.4', '--output', str(tmp_path), '--experiment', 'a']))
+    assert first.config.lr == pytest.approx(0.025) and first.config.lr_source == 'rule'  # 0.4 x 16 / 256
+    for name, change, lr, source in (('b', dict(batch_size=32), 0.025, 'flag'), ('c', dict(lr=0.5), 0.5, 'flag'),
+                                     ('d', dict(epochs=2), 0.025, 'rule')):
+        res = train(dataclasses.replace(first.config, experiment=name, **change))
+        assert res.rows[0]['lr'] == pytest.approx(lr) and res.config.lr_source == source, name
+        path = os.path.join(res.output, 'args.yaml')
+        with open(path) as f:
+            recorded = yaml.safe_load(f)
+        assert recorded['lr'] == pytest.approx(lr) and recorded['lr_source'] == source, name
+        rerun = parse_config(['-c', path])
+        assert rerun.batch_size == res.config.batch_size
+        assert (rerun.lr == pytest.approx(lr)) if source == 'flag' else (rerun.lr is None and rerun.lr_base == 0.4)

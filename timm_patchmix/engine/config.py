@@ -808,11 +808,20 @@ def resolve(cfg: TrainConfig, *, model, num_classes: int, data_config: Mapping[s
     """The config of a run whose ``model`` is built: the grid is the model's own (a patch-head model's
     ``model.grid``; the flags' or 4x4 for image-level PatchMix on a plain model), the learning rate is scaled to the
     global batch of ``world_size`` processes when ``lr_source`` is ``'rule'``, and ``num_classes``, ``patch_head``
-    and ``data_config`` are set."""
+    and ``data_config`` are set. A config whose lr the rule had already set (a resolved one, derived with
+    ``dataclasses.replace``) keeps it; where the rule gives another (a changed batch size) it is recorded as given
+    (``lr_source`` ``'flag'``)."""
     from ..models import PatchHeadModel
     cfg = cfg.with_recipe()
     patch_head = isinstance(model, PatchHeadModel)
     grid = tuple(model.grid) if patch_head else (cfg.grid or DEFAULT_GRID)
     data = data_config if isinstance(data_config, DataConfig) else DataConfig.from_timm(data_config)
+    lr_source = cfg.lr_source
+    if lr_source == 'rule' and cfg.lr is not None and cfg.lr != scaled_lr(dataclasses.replace(cfg, lr=None),
+                                                                          world_size):
+        # a resolved config given again (dataclasses.replace of a run's config) whose lr is not the one the rule
+        # gives it here (another batch size, or an lr the caller set): it trains at that lr, recorded as given, so
+        # that -c args.yaml reruns it rather than setting the rule's again
+        lr_source = 'flag'
     return dataclasses.replace(cfg, grid=grid, patch_head=patch_head, num_classes=num_classes,
-                               lr=scaled_lr(cfg, world_size), data_config=data)
+                               lr=scaled_lr(cfg, world_size), lr_source=lr_source, data_config=data)
