@@ -274,6 +274,14 @@ def _unreadable(path: str, e: Exception) -> CheckpointError:
     return CheckpointError(f'{path} is not a readable safetensors file (truncated or corrupt?): {e}')
 
 
+def not_model_weights(path: str, kind: str) -> CheckpointError:
+    """The error for a file of this project's that holds no model weights to load (``kind``: its metadata's)."""
+    if kind == 'train_state':
+        return CheckpointError(f'{path} is a training state (to --resume from), not model weights: give the run\'s '
+                               f'best.safetensors or last.safetensors beside it')
+    return CheckpointError(f'{path} is a {kind.replace("_", " ")} file of timm_patchmix, not model weights')
+
+
 def read_meta(path: str) -> Dict[str, Any]:
     """The JSON metadata of a file this project wrote, without reading its tensors (``CheckpointError`` for a
     missing, unreadable or pickled file and for metadata that is not a JSON object)."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import timm
 
-from ..checkpoint import CheckpointError, load_weights, save_weights
+from ..checkpoint import CheckpointError, load_weights, not_model_weights, save_weights
 from ..data import DATA_CONFIG_KEYS, channel_matched
 from ..validation import Fields, check_hub_config, check_tensor_kinds
 
@@ -26,8 +26,7 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     state, meta = load_weights(path)
     arch = meta.get('model')
     if not arch and meta.get('kind') == 'train_state':
-        raise CheckpointError(f'{path} is a training state (to --resume from), not model weights: give the run\'s '
-                              f'best.safetensors or last.safetensors beside it')
+        raise not_model_weights(path, 'train_state')
     if not arch:
         raise CheckpointError(f'{path} carries no timm_patchmix metadata naming its model; build the model '
                               f'yourself and load the file with safetensors.torch.load_file')
@@ -190,6 +189,9 @@ def backbone_state_dict(source, name: Optional[str] = None) -> Tuple[str, Dict[s
     state = {k[len('backbone.'):]: v for k, v in model.state_dict().items() if k.startswith('backbone.')}
     cfg = {k: model.pretrained_cfg.get(k) for k in DATA_CONFIG_KEYS if model.pretrained_cfg.get(k) is not None}
     cfg['num_classes'] = model.num_classes
+    names = model.pretrained_cfg.get('label_names')
+    if names and len(names) == model.num_classes:  # the class names of these weights' classifier
+        cfg['label_names'] = tuple(names)
     return arch, state, cfg
 
 
@@ -209,21 +211,56 @@ def load_backbone(source, num_classes: Optional[int] = None, **kwargs) -> nn.Mod
         if k not in ('grid', 'per_position', 'num_classes'):
             kwargs.setdefault(k, v)
     kwargs.pop('pretrained_model_args', None)
+    if num_classes is not None and num_classes != cfg['num_classes']:
+        cfg.pop('label_names', None)  # a fresh classifier: the names were those of the one left behind
     overlay = dict(cfg, state_dict=state, hf_hub_id=None, url=None, file=None)
     return timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=overlay,
                              num_classes=cfg['num_classes'] if num_classes is None else num_classes, **kwargs)
 
 
+def _source_files(source) -> List[str]:
+    """The local files the weights of ``source`` (a name :func:`load_backbone` takes) are read from, as far as the
+    name tells: a checkpoint file, a ``local-dir:`` folder's ``model.safetensors`` (any spelling of the prefix), the
+    Hub cache's copy of an ``hf-hub:`` repo's or a tag's (a tag shipped with the package: its file)."""
+    from timm.models import get_pretrained_cfg
+    from ..models.patchhead import PREFIX
+    from ..models.registry import _hub_cached_file
+    src = source_name(os.fspath(source))
+    kind, _, ident = src.partition(':')
+    if src.startswith('local-dir:'):
+        return [os.path.join(ident, 'model.safetensors')]
+    if src.startswith('hf-hub:'):
+        hub_id = ident
+    elif os.path.isfile(src):
+        return [src]
+    else:  # a tag: the patchhead model's own, or the backbone's under a fresh patch head
+        try:  # (timm raises for an unknown tag of a known architecture: the load names it)
+            cfg = get_pretrained_cfg(src) or (get_pretrained_cfg(src[len(PREFIX):]) if src.startswith(PREFIX)
+                                              else None)
+        except RuntimeError:
+            cfg = None
+        if cfg is None:
+            return []
+        if cfg.file:
+            return [cfg.file]
+        hub_id = cfg.hf_hub_id
+    found = _hub_cached_file({'hf_hub_id': hub_id, 'hf_hub_filename': 'model.safetensors'})
+    return [found] if found else []
+
+
 def export_backbone(source, path: str) -> str:
     """Write the plain backbone's state dict as safetensors (atomically), for timm's documented file overlay:
-    ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path, num_classes=C))``."""
+    ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path, num_classes=C))``. Its
+    metadata records the architecture, the class count and names and the data config. ``path`` may not be the file
+    the source's weights are read from."""
     if isinstance(source, (str, os.PathLike)) and os.path.exists(path):
-        src = os.fspath(source)
-        read = os.path.join(src[len('local-dir:'):], 'model.safetensors') if src.startswith('local-dir:') else src
-        if os.path.exists(read) and os.path.samefile(read, path):  # the backbone would replace the weights it came from
-            raise CheckpointError(f'{path} is the checkpoint the backbone is read from ({source}); write it to '
-                                  f'another file')
+        for read in _source_files(source):
+            if os.path.exists(read) and os.path.samefile(read, path):  # it would replace the weights it came from
+                raise CheckpointError(f'{path} is the checkpoint the backbone is read from ({source}); write it to '
+                                      f'another file')
     arch, state, cfg = backbone_state_dict(source)
+    names = cfg.pop('label_names', None)
     save_weights(path, state, {'model': arch, 'num_classes': cfg['num_classes'], 'data': cfg,
+                               **({'class_names': list(names)} if names else {}),
                                'exported_from': str(source) if not isinstance(source, nn.Module) else None})
     return path

@@ -17,6 +17,7 @@ What ``timm.create_model('patchhead_<arch>[.tag]', pretrained=..., ...)`` builds
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Dict, Iterable, Optional
@@ -231,8 +232,16 @@ def _named_file_kind(named: str) -> Optional[Dict[str, Any]]:
         with safe_open(named, framework='pt') as f:
             keys = list(f.keys())
             head = f.get_slice('patch_head.fc.weight').get_shape() if 'patch_head.fc.weight' in keys else None
+            md = f.metadata() or {}
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
+    from ..checkpoint import _META_KEY, not_model_weights
+    try:
+        kind = json.loads(md.get(_META_KEY, '{}')).get('kind')
+    except (json.JSONDecodeError, RecursionError, AttributeError):
+        kind = None  # (not this project's metadata: the tensor names decide)
+    if isinstance(kind, str):  # a training or search state: no model's weights under timm's names
+        raise not_model_weights(named, kind)
     if not keys:  # (timm would end in its missing-keys error for the backbone)
         from ..checkpoint import CheckpointError
         raise CheckpointError(f'{named} holds no tensors: it is not the weights of a model or of its backbone')
@@ -445,6 +454,7 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
     in the file: a file that misses any, or holds tensors the model does not have, is a CheckpointError naming
     them. A tensor of another kind than the model's (an integer or boolean tensor for a float parameter) is one too.
     """
+    from huggingface_hub.errors import EntryNotFoundError
     from timm.models import load_pretrained
     from ..checkpoint import CheckpointError, check_file_digest
     from ..validation import check_tensor_kinds
@@ -518,6 +528,8 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
                         cache_dir=cache_dir)
     except CheckpointError:
         raise
+    except EntryNotFoundError as e:  # (a Hub repo's model.safetensors, in neither the cache nor the repo)
+        raise _unfetched(cfg.get('hf_hub_id') or where, 'model.safetensors', e) from None
     except SafetensorError as e:
         raise CheckpointError(
             f'the weights of {cfg.get("architecture")} at {where} are damaged or incomplete ({e}). Delete the file '
