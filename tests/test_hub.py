@@ -1141,3 +1141,12 @@ def test_a_training_state_named_as_the_weights_file_is_refused(trained, num_clas
         timm.create_model('patchhead_resnet32_cifar', pretrained=True, pretrained_cfg_overlay=dict(file=state), **kw)
     with pytest.raises(CheckpointError, match='is a training state'):
         hub.model_from_weights(state)
+
+
+def test_a_search_state_named_as_the_weights_file_is_refused(tmp_path):
+    from timm_patchmix.checkpoint import save_bundle
+    path = str(tmp_path / 'search_state.safetensors')
+    save_bundle(path, {'population': torch.zeros(4, 16)}, {'generation': 1}, kind='search_state')
+    with pytest.raises(CheckpointError, match=re.escape(f'{path} is a search state (to resume search.py from), not '
+                                                        'model weights')):
+        timm.create_model('patchhead_resnet32_cifar', pretrained=True, pretrained_cfg_overlay=dict(file=path))

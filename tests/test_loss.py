@@ -312,3 +312,35 @@ def test_a_packed_target_as_wide_as_the_models_classes_is_refused(kw, prob, smoo
         ref = (F.binary_cross_entropy_with_logits(logits, soft, reduction='none').mean(1) if kw.get('bce')
                else -(soft * F.log_softmax(logits, -1)).sum(1))
         assert torch.allclose(loss(logits, soft), ref.mean())
+
+
+def test_multi_hot_bce_targets_that_begin_like_a_packed_header_still_score():
+    """A multi-hot target whose first row starts 1, 1 (the header of a 1x1 grid), with one positive in each of the
+    next blocks, was refused as a packed target by the check above; a packed target's fields must hold in every
+    row, lam agreeing with its cells, which such targets do not."""
+    from timm.loss import BinaryCrossEntropy
+    t = torch.tensor([[1, 1, 0, 1, 0, 0, 0, 1, 0, 1.]] * 2)  # classes 0, 1, 3, 7, 9: lam 0, but its one cell kept
+    logits = torch.randn(2, 10)
+    assert torch.allclose(PatchMixLoss(bce=True, patch_loss=False)(logits, t), BinaryCrossEntropy()(logits, t))
+    rows = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 1, 0, 1.], [1, 1, 0, 1, 0, 0, 0, 1, 0, 1.]])  # lam 1 and 0, cell kept
+    assert torch.allclose(PatchMixLoss(bce=True, patch_loss=False)(logits, rows), BinaryCrossEntropy()(logits, rows))
+    # the same layout as a packed target of 3 classes on a 1x1 grid: refused
+    _, packed = PatchMix(grid=1, num_classes=3)(torch.rand(2, 3, 4, 4), torch.tensor([0, 2]))
+    assert packed.shape == (2, 10)
+    with pytest.raises(ValueError, match=r'packed target holds 3 classes \(a 1x1 grid\) but the model has 10'):
+        PatchMixLoss(bce=True, patch_loss=False)(logits, packed)
+
+
+def test_a_mixer_pickled_before_its_settings_were_checked_loads():
+    """PatchMix keeps prob, mode, label_smoothing and num_classes behind checked properties: a mixer pickled
+    before (its settings as plain attributes) loads with them."""
+    import pickle
+    mixer = PatchMix(grid=2, num_classes=3, prob=0.5, mode='pair', label_smoothing=0.1)
+    state = mixer.__getstate__()
+    old = {(k[1:] if k in ('_prob', '_mode', '_label_smoothing', '_num_classes') else k): v for k, v in state.items()}
+    old.pop('cuda_graph')
+    again = PatchMix.__new__(PatchMix)
+    again.__setstate__(old)
+    assert (again.prob, again.mode, again.label_smoothing, again.num_classes, again.cuda_graph) == \
+        (0.5, 'pair', 0.1, 3, True)
+    assert repr(pickle.loads(pickle.dumps(mixer))) == repr(mixer) == repr(again)

@@ -279,6 +279,9 @@ def not_model_weights(path: str, kind: str) -> CheckpointError:
     if kind == 'train_state':
         return CheckpointError(f'{path} is a training state (to --resume from), not model weights: give the run\'s '
                                f'best.safetensors or last.safetensors beside it')
+    if kind == 'search_state':
+        return CheckpointError(f'{path} is a search state (to resume search.py from), not model weights: give the '
+                               f'checkpoint the search scored with, or a run\'s best.safetensors')
     return CheckpointError(f'{path} is a {kind.replace("_", " ")} file of timm_patchmix, not model weights')
 
 

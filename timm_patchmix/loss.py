@@ -139,21 +139,25 @@ class PatchMixLoss(nn.Module):
     def _check_not_packed(self, target: torch.Tensor, c: int) -> None:
         """A ``[B, c]`` target has the width of a packed target of fewer classes where ``3 + 2k + cells == c``
         (one mixed for another ``num_classes``): scored as a soft target, its header, lam and cell masks would be
-        read as class probabilities. Its first row is read (when ``_to_read`` says) and one that holds a packed
-        target's fields (an integer grid header, lam in [0, 1], two label rows that each sum to 1, 0/1 cells)
-        is refused; a soft target of ``c`` classes (its row sums to 1) cannot hold them all."""
+        read as class probabilities. It is read (when ``_to_read`` says) and refused where every row holds a packed
+        target's fields: one integer grid header, lam in [0, 1] that is 1 exactly where every cell is kept and 0
+        where none is, two label rows that each sum to 1, and 0/1 cells. A soft target of ``c`` classes (its rows
+        sum to 1) cannot hold them all, and multi-hot BCE targets would have to hold them in every row."""
         key = ('soft', target.device, c)
         if not self._to_read(target, key):
             return
-        row = target[0].detach().double().cpu()
-        rows, cols = float(row[0]), float(row[1])
+        t = target.detach().double().cpu()
+        rows, cols = float(t[0, 0]), float(t[0, 1])
         k = (_packed_class_count(c, int(rows), int(cols))
              if rows.is_integer() and cols.is_integer() and rows >= 1 and cols >= 1 else None)
         if k is not None:
-            lam, cells = float(row[2]), row[_HEADER + 2 * k:]
-            sums = row[_HEADER:_HEADER + k].sum(), row[_HEADER + k:_HEADER + 2 * k].sum()
-            if (0 <= lam <= 1 and all(abs(float(v) - 1) < 1e-4 for v in sums)
-                    and bool(((cells == 0) | (cells == 1)).all())):
+            lam, keep = t[:, 2], t[:, _HEADER + 2 * k:]
+            labels = (t[:, _HEADER:_HEADER + k], t[:, _HEADER + k:_HEADER + 2 * k])
+            if (bool((t[:, :2] == t[:1, :2]).all()) and bool(((lam >= 0) & (lam <= 1)).all())
+                    and all(bool(((y.sum(1) - 1).abs() < 1e-4).all()) for y in labels)
+                    and bool(((keep == 0) | (keep == 1)).all())
+                    and bool(((lam == 1) == (keep == 1).all(1)).all())
+                    and bool(((lam == 0) == (keep == 0).all(1)).all())):
                 raise ValueError(f'packed target holds {k} classes (a {int(rows)}x{int(cols)} grid) but the model '
                                  f'has {c}; mix with num_classes={c}')
         self._read(target, key)

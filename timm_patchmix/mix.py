@@ -596,6 +596,9 @@ class PatchMix:
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault('cuda_graph', True)
+        for name in ('prob', 'mode', 'label_smoothing', 'num_classes'):  # a mixer pickled before these were checked
+            if name in state:
+                state['_' + name] = state.pop(name)
         self.__dict__.update(state)
         self._graphs, self._replayed, self._graph_lock = {}, {}, threading.Lock()
 

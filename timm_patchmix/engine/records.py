@@ -168,7 +168,7 @@ def checkpoint_history(rows: List[Dict[str, Any]], kept: List[int], epoch: int, 
     ``metric`` as ``rows`` (summary.csv) give it, higher first but for the loss; of equal scores the earlier epoch
     ranks first, so a new epoch displaces the worst kept one only when it is strictly better, as in timm's
     ``CheckpointSaver`` (a non-finite score ranks last, see :func:`improves`). An epoch of ``kept`` whose file
-    ``exists`` no longer (a run stopped between removing it and saving its state) drops out."""
+    ``exists`` no longer (removed by hand, or by a version that removed files before saving the state) drops out."""
     if n == 0:
         return [], []
     column = f'eval_{metric}'

@@ -17,7 +17,6 @@ What ``timm.create_model('patchhead_<arch>[.tag]', pretrained=..., ...)`` builds
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Dict, Iterable, Optional
@@ -232,15 +231,11 @@ def _named_file_kind(named: str) -> Optional[Dict[str, Any]]:
         with safe_open(named, framework='pt') as f:
             keys = list(f.keys())
             head = f.get_slice('patch_head.fc.weight').get_shape() if 'patch_head.fc.weight' in keys else None
-            md = f.metadata() or {}
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
-    from ..checkpoint import _META_KEY, not_model_weights
-    try:
-        kind = json.loads(md.get(_META_KEY, '{}')).get('kind')
-    except (json.JSONDecodeError, RecursionError, AttributeError):
-        kind = None  # (not this project's metadata: the tensor names decide)
-    if isinstance(kind, str):  # a training or search state: no model's weights under timm's names
+    from ..checkpoint import not_model_weights, read_meta
+    kind = read_meta(named).get('kind')  # (this project's metadata; none in another writer's file)
+    if kind is not None:  # a training or search state: no model's weights under timm's names
         raise not_model_weights(named, kind)
     if not keys:  # (timm would end in its missing-keys error for the backbone)
         from ..checkpoint import CheckpointError
@@ -529,7 +524,8 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
     except CheckpointError:
         raise
     except EntryNotFoundError as e:  # (a Hub repo's model.safetensors, in neither the cache nor the repo)
-        raise _unfetched(cfg.get('hf_hub_id') or where, 'model.safetensors', e) from None
+        raise _unfetched(cfg.get('hf_hub_id') or where, cfg.get('hf_hub_filename') or 'model.safetensors', e) \
+            from None
     except SafetensorError as e:
         raise CheckpointError(
             f'the weights of {cfg.get("architecture")} at {where} are damaged or incomplete ({e}). Delete the file '
