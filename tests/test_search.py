@@ -498,3 +498,40 @@ def test_each_rank_takes_its_gpu_also_where_a_group_is_up(monkeypatch, ckpt):
     assert command._distributed(cfg.replace(device='cuda')).device == 'cuda:1'
     assert command._distributed(cfg.replace(device='cuda:0')).device == 'cuda:0'  # named: kept
     assert command._distributed(cfg.replace(device='cpu')).device == 'cpu'
+
+
+def test_a_folder_split_named_another_way_is_still_the_test_split(tmp_path, caplog):
+    """The guard that keeps the search off the test split of a checkpoint trained with --holdout compared split
+    names as strings: for a dataset in a folder, `--val-split validation/` (or ./validation) scored the genes on the
+    test split, and `train/` on the training split without the warning that `train` gives."""
+    from types import SimpleNamespace
+    from timm_patchmix.search.inputs import SearchUsageError, _scored_note, _scored_split
+    for split in ('train', 'validation'):
+        os.makedirs(tmp_path / 'data' / split / 'c0')
+    data_dir = str(tmp_path / 'data')
+    data = {'holdout': {'fraction': 0.5}, 'val_split': 'validation', 'train_split': 'train'}
+    for name in ('validation', 'validation/', './validation', 'validation//', os.path.join('..', 'data', 'validation')):
+        with pytest.raises(SearchUsageError, match=f'--val-split {re.escape(name)}: .* the search must not see the '
+                                                   'test split'):
+            _scored_split(SimpleNamespace(val_split=name, checkpoint='ft.safetensors'), data, '', data_dir)
+    cfg = SimpleNamespace(val_split='train/', checkpoint='ft.safetensors')
+    assert _scored_split(cfg, data, '', data_dir) == 'train/'
+    with caplog.at_level('WARNING'):
+        note = _scored_note(cfg, data, '', data_dir, 'train/')
+    assert note.startswith('the split the checkpoint trained on') and 'whose accuracy its training flatters' in \
+        caplog.text
+    assert _scored_note(SimpleNamespace(val_split='other', checkpoint='ft.safetensors'), data, '', data_dir,
+                        'other') is None
+
+
+def test_a_two_class_search_runs_with_the_default_number_of_active_pairs():
+    """N defaulted to the number of classes, more than the one pair 2 classes have: the search failed, telling the
+    user to lower an --n-active they never gave. The default is at most the number of pairs now."""
+    space, scorer = tiny_scorer(classes=2)
+    s = Search(space, 4, scorer, Evolution(population=4, generations=1, patience=0, seed=0))
+    assert s.n_active == 1 and len(s.run().pairs) == 1
+    with pytest.raises(SearchError, match='N=2 active pairs, but 2 classes have only 1 pairs; lower --n-active'):
+        Search(space, 4, scorer, Evolution(population=4, generations=1, patience=0, seed=0, n_active=2))
+    one_space, one = tiny_scorer(classes=1)
+    with pytest.raises(SearchError, match='1 class has no pair of classes to search masks for'):
+        Search(one_space, 4, one, Evolution(population=4, generations=1, patience=0, seed=0))

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--generations', type=VALUE_TYPES['generations'], default=250,
                    help='generations after the initial population')
     g.add_argument('--n-active', type=VALUE_TYPES['n_active'], default=None,
-                   help='N, the most active pairs of an individual (default: the number of classes)')
+                   help='N, the most active pairs of an individual (default: the number of classes, at most the '
+                        'number of class pairs)')
     g.add_argument('--k', type=VALUE_TYPES['k'], default=16, help='fixed validation image pairs per class pair')
     g.add_argument('--cxpb', type=VALUE_TYPES['cxpb'], default=0.5, help='crossover probability')
     g.add_argument('--mutpb', type=VALUE_TYPES['mutpb'], default=0.3, help='mutation probability')

@@ -79,7 +79,8 @@ class Evolution:
     Attributes:
         population: individuals per generation.
         generations: the last generation (0 is the initial population).
-        n_active: N, the most active pairs of an individual (None: the number of classes).
+        n_active: N, the most active pairs of an individual (None: the number of classes, at most the number of
+            class pairs).
         cxpb, mutpb: crossover and mutation probabilities of DEAP's ``varAnd``.
         tournsize: tournament size of the selection.
         hof: hall-of-fame size.

@@ -33,6 +33,12 @@ __all__ = ['Search', 'SearchError', 'GenerationCallback']
 GenerationCallback = Callable[['Search', Dict[str, Any]], None]
 
 
+def default_n_active(space: PairSpace) -> int:
+    """N, the most active pairs of an individual, where ``--n-active`` is not given: the number of classes, at most
+    the number of cross-class pairs (a 2-class dataset has one)."""
+    return min(space.num_classes, space.num_cross)
+
+
 class Search:
     """One search over the class pairs of ``space`` with masks on ``grid``, its genes scored by ``scorer``.
 
@@ -63,7 +69,10 @@ class Search:
         if len(scorer.pairs) != len(space):
             raise ValueError(f'the scorer has image pairs for {len(scorer.pairs)} class pairs, the pair space '
                              f'{len(space)}')
-        self.n_active = evolution.n_active or self.num_classes
+        self.n_active = evolution.n_active or default_n_active(space)
+        if space.num_cross == 0:
+            raise SearchError(f'{self.num_classes} class has no pair of classes to search masks for; the search '
+                              f'needs at least 2 classes')
         if not 1 <= self.n_active <= space.num_cross:
             raise SearchError(f'N={self.n_active} active pairs, but {self.num_classes} classes have only '
                               f'{space.num_cross} pairs; lower --n-active')
@@ -114,7 +123,7 @@ class Search:
             model = model.to(memory_format=torch.channels_last)
         scorer = GeneScorer(model, data.images(device), space.pairs, a_idx, b_idx, grid, cfg.score,
                             cfg.eval_batch_size, amp=cfg.amp, channels_last=cfg.channels_last)
-        n_active = cfg.n_active or data.num_classes
+        n_active = cfg.n_active or default_n_active(space)
         search = cls(space, grid, scorer, cfg.evolution(), class_names=data.class_names,
                      fingerprint=dataset_fingerprint(data.dataset, data.class_names),
                      record=dict(cfg.record(), scored_on=data.record()),

@@ -14,6 +14,7 @@ holdout, or the test split of a checkpoint with one.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -113,12 +114,23 @@ class ValidationData:
         return x.to(device)
 
 
+def _same_split(data_dir: str, a: str, b: str) -> bool:
+    """Whether split names ``a`` and ``b`` open the same split: the same name, or the same subfolder of the
+    ``data_dir`` of a dataset in a folder (``validation/``, ``./validation``)."""
+    if a == b:
+        return True
+    if not data_dir:
+        return False
+    pa, pb = os.path.join(data_dir, a), os.path.join(data_dir, b)
+    return os.path.isdir(pa) and os.path.isdir(pb) and os.path.samefile(pa, pb)
+
+
 def _is_test_split(dataset: str, data_dir: str, split: str, test_split: str) -> bool:
-    """``split`` reads the test split ``test_split``: the same name, or (for a dataset whose evaluation names all
-    open one split, see :func:`~timm_patchmix.data.has_fixed_splits`) any evaluation split."""
+    """``split`` reads the test split ``test_split``: the same name (or folder), or (for a dataset whose evaluation
+    names all open one split, see :func:`~timm_patchmix.data.has_fixed_splits`) any evaluation split."""
     from ..data import has_fixed_splits, is_train_split
-    return split == test_split or (has_fixed_splits(dataset, data_dir) and not is_train_split(split)
-                                   and not is_train_split(test_split))
+    return _same_split(data_dir, split, test_split) or (
+        has_fixed_splits(dataset, data_dir) and not is_train_split(split) and not is_train_split(test_split))
 
 
 def _scored_split(cfg: SearchConfig, data: Dict[str, Any], dataset: str, data_dir: str) -> str:
@@ -200,7 +212,7 @@ def _scored_note(cfg: SearchConfig, data: Dict[str, Any], dataset: str, data_dir
     from ..data import is_train_split
     if split == HOLDOUT:
         return None
-    if is_train_split(split) or split == data.get('train_split', 'train'):
+    if is_train_split(split) or _same_split(data_dir, split, data.get('train_split', 'train')):
         held = ' and its held-out ones' if data.get('holdout') else ''
         _logger.warning('--val-split %s: scoring the genes on the split that %s trained on (its training images '
                         'among them%s), whose accuracy its training flatters; the paper scores them on validation '
