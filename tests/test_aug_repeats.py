@@ -84,7 +84,9 @@ def test_device_data_takes_the_repeats_too():
 
 def test_flag_values_and_resume(tmp_path, capsys):
     out = str(tmp_path / 'refused')
-    for value, names in (('0.5', ['at least 1', '0.5']), ('-1', ['-1'])):
+    # (a huge N passed the checks and overflowed timm's sampler with a traceback, after writing args.yaml)
+    for value, names in (('0.5', ['from 1 to 64', '0.5']), ('-1', ['-1']), ('65', ['from 1 to 64', '65']),
+                         ('1e20', ['from 1 to 64', '1e+20']), ('1e308', ['from 1 to 64', '1e+308'])):
         expect_usage_error(capsys, train_cli.cli, ['--aug-repeats', value, '--output', out], *names,
                            flag='--aug-repeats')
     assert not os.path.exists(out)

@@ -208,6 +208,7 @@ TINY = ['--train-subset', '32', '--val-subset', '16', '-b', '16', '-j', '0', '--
 @pytest.mark.parametrize('flags, message', [
     (['--holdout', '1'], r'argument --holdout: must be a finite number in \[0, 1\)'),
     (['--holdout', '0.00005'], 'holds out no image; raise --holdout'),
+    (['--holdout', '0.99999999'], r'--holdout 0\.99999999 of the \d+ images .* leaves no image'),  # (was '1')
     (['--holdout', '0.1', '--val-split', 'train'], 'names the test split'),
     (['--test-subset', '5'], '--test-subset caps the test split of a run with --holdout'),
 ])

@@ -63,10 +63,10 @@ class Holdout:
             raise HoldoutError(f'--holdout-seed must be an integer >= 0, got {seed!r}')
         n = holdout_size(num_images, fraction)
         if n < 1:
-            raise HoldoutError(f'--holdout {fraction:g} of the {num_images} images of split {split!r} holds out no '
+            raise HoldoutError(f'--holdout {fraction} of the {num_images} images of split {split!r} holds out no '
                                f'image; raise --holdout')
         if n >= num_images:
-            raise HoldoutError(f'--holdout {fraction:g} of the {num_images} images of split {split!r} leaves no '
+            raise HoldoutError(f'--holdout {fraction} of the {num_images} images of split {split!r} leaves no '
                                f'image to train on; lower --holdout')
         perm = np.random.default_rng([HOLDOUT_STREAM, int(seed)]).permutation(num_images)
         return cls(float(fraction), int(seed), split, int(num_images), tuple(sorted(perm[:n].tolist())),

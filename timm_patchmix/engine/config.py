@@ -540,9 +540,10 @@ class TrainConfig:
                 raise ConfigError(f'MIN {value[0]:g} is above MAX {value[1]:g}', _flag(name))
         if self.aa is not None:
             _check_policy(self.aa)
-        if 0 < self.aug_repeats < 1:
-            raise ConfigError(f'takes 0 (off) or a number of repeats of at least 1, got {self.aug_repeats:g}',
-                              '--aug-repeats')
+        if 0 < self.aug_repeats < 1 or self.aug_repeats > MAX_AUG_REPEATS:
+            # (timm's sampler lists every image N times per epoch: a huge N overflows it, or fills the memory)
+            raise ConfigError(f'takes 0 (off) or a number of repeats from 1 to {MAX_AUG_REPEATS}, got '
+                              f'{self.aug_repeats:g}', '--aug-repeats')
         given = self.augment_flags()
         if self.no_aug and given:
             raise ConfigError(f'--no-aug switches training augmentation off; {" and ".join(given)} would be unused. '
@@ -659,6 +660,9 @@ class TrainConfig:
         """The settings as plain data (tuples as lists), as ``args.yaml`` and the training state record them."""
         return _plain(dataclasses.asdict(self))
 
+
+# the most repeats --aug-repeats takes (DeiT's recipe uses 3)
+MAX_AUG_REPEATS = 64
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # the switches and the strings (names, choices, paths), by their annotations
