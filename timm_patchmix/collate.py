@@ -14,6 +14,13 @@ from .mix import PatchMix, PatchMixParams
 __all__ = ['FastCollatePatchMix', 'FastCollateGuidedPatchMix']
 
 
+def _mixer_setting(name: str) -> property:
+    """A collate-mixer attribute that is the setting ``name`` of its batch mixer (``_batch_mixer()``)."""
+    return property(lambda self: getattr(self._batch_mixer(), name),
+                    lambda self, value: setattr(self._batch_mixer(), name, value),
+                    doc=f"the batch mixer's ``{name}``")
+
+
 class FastCollatePatchMix(FastCollateMixup):
     """Collate ``[(uint8 CHW image, label), ...]`` into ``(uint8 [B, C, H, W], packed target)`` with PatchMix.
 
@@ -45,29 +52,9 @@ class FastCollatePatchMix(FastCollateMixup):
 
     # timm's FastCollateMixup reads these at every call, so a change takes effect at the next batch; here they are
     # the mixer's settings, checked as the mixer checks them (a bad value is an error naming it)
-    @property
-    def mode(self) -> str:
-        return self._batch_mixer().mode
-
-    @mode.setter
-    def mode(self, value: str) -> None:
-        self._batch_mixer().mode = value
-
-    @property
-    def mix_prob(self) -> float:
-        return self._batch_mixer().prob
-
-    @mix_prob.setter
-    def mix_prob(self, value: float) -> None:
-        self._batch_mixer().prob = value
-
-    @property
-    def label_smoothing(self) -> float:
-        return self._batch_mixer().label_smoothing
-
-    @label_smoothing.setter
-    def label_smoothing(self, value: float) -> None:
-        self._batch_mixer().label_smoothing = value
+    mode = _mixer_setting('mode')
+    mix_prob = _mixer_setting('prob')
+    label_smoothing = _mixer_setting('label_smoothing')
 
     @property
     def num_classes(self) -> int:
