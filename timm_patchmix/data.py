@@ -398,9 +398,9 @@ def _open_dataset(name: str, root: str, split: str, download: bool) -> Tuple[Dat
             where = root or '(no --data-dir given)'
             raise FileNotFoundError(
                 f'could not open dataset {name!r} split {split!r} at {where}: {e}. Put the data there, download '
-                f'it with train.py --dataset-download where a network is available, use --dataset fashion_mnist for the IDX files of '
-                f'Debian\'s dataset-fashion-mnist, or leave --dataset unset for the embedded patchshapes '
-                f'data') from None
+                f'it with train.py --dataset-download where a network is available, use --dataset fashion_mnist '
+                f'for the IDX files of Debian\'s dataset-fashion-mnist, or leave --dataset unset for the embedded '
+                f'patchshapes data') from None
     classes = list(getattr(base, 'classes', None) or [])
     if not classes:
         reader = getattr(base, 'reader', None)

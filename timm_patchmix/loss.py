@@ -122,7 +122,7 @@ class PatchMixLoss(nn.Module):
         self._read(target, key)
 
     def _to_read(self, target: torch.Tensor, key: tuple) -> bool:
-        """Whether a check reads ``target``'s first row for the layout ``key``: every call on the CPU, the first
+        """Whether a check reads ``target``'s values for the layout ``key``: every call on the CPU, the first
         of each layout on an accelerator (where the read waits for the device), never while tracing or capturing or
         where no values are there to read (a meta tensor, a subclass such as a fake tensor)."""
         if (target.shape[0] == 0 or torch.compiler.is_compiling() or torch.jit.is_tracing()

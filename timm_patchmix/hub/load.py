@@ -226,7 +226,7 @@ def _source_files(source) -> List[str]:
     from ..models.patchhead import PREFIX
     from ..models.registry import _hub_cached_file
     src = source_name(os.fspath(source))
-    kind, _, ident = src.partition(':')
+    ident = src.partition(':')[2]
     if src.startswith('local-dir:'):
         return [os.path.join(ident, 'model.safetensors')]
     if src.startswith('hf-hub:'):
