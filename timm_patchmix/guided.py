@@ -93,8 +93,10 @@ class GuidedPatchMix:
 
     A guided sample of class c takes a searched pair (c, d) or (d, c) from the mask table, a partner image of class d
     (from the batch, else from a per-class memory of recent images) and that pair's mask. Eligible samples (a class in
-    the table and a partner available) are chosen with probability ``guided_prob * B / eligible`` so that the guided
-    fraction of the batch meets ``guided_prob`` even when some classes have no pair. ``random_prob`` of the batch gets
+    the table and a partner available) are chosen with probability ``min(1, guided_prob * B / eligible)`` so that the
+    guided fraction of the batch meets ``guided_prob`` even when some classes have no pair, as long as the batch holds
+    that many eligible samples; when it holds fewer (a table that covers few of the batch's classes), all of them
+    are chosen and the fraction falls short, without a warning. ``random_prob`` of the batch gets
     random PatchMix; the rest stays clean. Targets are packed like ``PatchMix``'s (see ``split_target``).
 
     Defaults: a third each, the paper's three sources of training samples (originals, random masks, searched
