@@ -292,6 +292,9 @@ def test_errors_are_plain_exceptions_and_write_nothing(tmp_path):
     assert e.value.flag == '--model-kwargs'
     with pytest.raises(TrainSetupError, match='use --model patchhead_resnet32_cifar'):
         train(TrainConfig(model='resnet32_cifar', patchmix=True, output=str(tmp_path), experiment='c', **TINY))
+    # a callback that cannot be called failed at the first batch, after args.yaml was written
+    with pytest.raises(TypeError, match='on_step must be a callable taking a StepEvent, got int'):
+        train(TrainConfig(output=str(tmp_path), experiment='d', **TINY), on_step=5)
     assert os.listdir(tmp_path) == []
 
 

@@ -2,6 +2,7 @@
 fresh pairs of the same classes and against random masks; the refusals and the command line."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -199,6 +200,20 @@ def test_tables_that_do_not_fit_are_refused(ckpt, searched, tmp_path):
         table_generalisation(ckpt, path, fresh_k=200, random_masks=1)
     with pytest.raises(SystemExit, match='^error: .*was not searched with'):
         generalise_main(['--checkpoint', other, '--table', path, '--fresh-k', '2', '--random-masks', '1'])
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(eval_batch_size=0), 'eval_batch_size must be an integer >= 1, got 0'),
+    (dict(eval_batch_size=True), 'eval_batch_size must be an integer >= 1, got True'),
+    (dict(device='meta'), "device: 'meta' holds no data to compute with"),
+    (dict(device='bogus'), "device: not a torch device: 'bogus'"),
+    (dict(device=0), 'device: must be a device name, got 0')])
+def test_the_callers_own_arguments_are_named_as_such(ckpt, searched, kwargs, message):
+    """eval_batch_size=0 was reported as the table's search_args that cannot be read, and the meta device or an
+    unknown name came from torch; each names the argument now."""
+    with pytest.raises(ValueError, match='^' + re.escape(message)) as e:
+        table_generalisation(ckpt, searched[2], **FAST, **kwargs)
+    assert not isinstance(e.value, GeneralisationError)  # (the table is not at fault)
 
 
 @pytest.mark.slow

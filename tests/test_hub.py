@@ -1130,6 +1130,67 @@ def test_the_plain_backbone_keeps_the_class_names_of_its_classifier(trained, tmp
     assert meta['class_names'] == list(names) and meta['num_classes'] == 10 and 'label_names' not in meta['data']
 
 
+def test_a_search_state_is_named_as_such_by_every_loader(tmp_path):
+    """A search state given to resume from was called model weights (and --initial-checkpoint, which that error
+    advised, then listed the search cache's tensors as unexpected); the hub loaders said it carries no metadata.
+    Each names it a search state now."""
+    from timm_patchmix.checkpoint import load_state, save_bundle
+    from timm_patchmix.engine.model import load_initial_checkpoint
+    path = str(tmp_path / 'search_state.safetensors')
+    save_bundle(path, {'cache.masks': torch.zeros(3, dtype=torch.int64)}, {'generation': 0}, kind='search_state')
+    weights = re.escape(f'{path} is a search state (to resume search.py from), not model weights')
+    with pytest.raises(CheckpointError, match=re.escape(f'{path} is a search state (to resume search.py from), '
+                                                        f'not a training state to resume train.py from')):
+        load_state(path)
+    with pytest.raises(CheckpointError, match=weights):
+        load_initial_checkpoint(timm.create_model('patchhead_resnet8_cifar', num_classes=7), path)
+    for load in (hub.model_from_weights, hub.load_backbone):
+        with pytest.raises(CheckpointError, match=weights):
+            load(path)
+    with pytest.raises(CheckpointError, match=weights):
+        hub.export_backbone(path, str(tmp_path / 'plain.safetensors'))
+    assert not os.path.exists(tmp_path / 'plain.safetensors')
+
+
+def test_a_missing_table_given_to_export_is_named_as_the_callers(tmp_path):
+    """A --table that does not exist was reported as the table the checkpoint trained with."""
+    _, ckpt, _ = small_folder(tmp_path)
+    missing = str(tmp_path / 'nowhere.json')
+    with pytest.raises(CheckpointError, match=re.escape(f'the mask table {missing} given with --table (table=) '
+                                                        f'does not exist')):
+        hub.export_folder(ckpt, str(tmp_path / 'out'), table=missing)
+    with pytest.raises(CheckpointError, match='given with --table .table=. is a folder, not a masks.json file'):
+        hub.export_folder(ckpt, str(tmp_path / 'out'), table=str(tmp_path))
+    assert not os.path.exists(tmp_path / 'out')
+
+
+def test_backbone_export_replaces_an_existing_file_only_when_asked(tmp_path, capsys):
+    """`export_backbone` replaced whatever file it was given without a word, a run's own state.safetensors or
+    last.safetensors included (the resume then failed). An existing file is replaced only with overwrite=True
+    (`--overwrite`), as `export` treats its folder; a folder is refused."""
+    from timm_patchmix.checkpoint import load_weights, save_weights
+    _, ckpt, _ = small_folder(tmp_path)
+    run = os.path.dirname(ckpt)
+    state = os.path.join(run, 'state.safetensors')
+    save_weights(state, {'x': torch.zeros(2)}, {'kind': 'train_state'})
+    before = open(state, 'rb').read()
+    with pytest.raises(FileExistsError, match=re.escape(f'{state} exists; pass overwrite=True (--overwrite)')):
+        hub.export_backbone(ckpt, state)
+    assert hub.main(['backbone', ckpt, '--output', state]) == 2
+    assert f'error: {state} exists; pass overwrite=True (--overwrite)' in capsys.readouterr().err
+    assert open(state, 'rb').read() == before
+    with pytest.raises(FileExistsError, match='is a folder; the backbone is written to a .safetensors file'):
+        hub.export_backbone(ckpt, run)
+    out = str(tmp_path / 'plain.safetensors')
+    assert hub.main(['backbone', ckpt, '--output', out]) == 0
+    assert hub.main(['backbone', ckpt, '--output', out]) == 2 and 'exists' in capsys.readouterr().err
+    assert hub.main(['backbone', ckpt, '--output', out, '--overwrite']) == 0
+    assert load_weights(out)[1]['model'] == 'resnet8_cifar'
+    # overwrite never reaches the source itself
+    with pytest.raises(CheckpointError, match='is the checkpoint the backbone is read from'):
+        hub.export_backbone(ckpt, ckpt, overwrite=True)
+
+
 @pytest.mark.parametrize('num_classes', [None, 5])
 def test_a_training_state_named_as_the_weights_file_is_refused(trained, num_classes):
     """A run's state.safetensors given as `file=` loaded nothing (a logged warning of unexpected keys) under another

@@ -317,6 +317,13 @@ def test_group_matcher_and_no_weight_decay(arch, kwargs, size, grid, per_positio
     assert {n: got[f'backbone.{n}'] for n in want} == want
     assert set(got) == {n for n, _ in model.named_parameters()}
     assert all(got[n] >= max(want.values()) for n in got if n.startswith('patch_head.'))
+    # in the classifier's own group, not one of its own after it (which would shift every layer-decay scale)
+    heads = plain.get_classifier()
+    head = {id(p) for h in (heads if isinstance(heads, tuple) else (heads,)) for p in h.parameters()}
+    head_groups = {want[n] for n, p in plain.named_parameters() if id(p) in head}
+    if head_groups:
+        assert {got[n] for n in got if n.startswith('patch_head.')} == head_groups
+        assert max(got.values()) == max(want.values())
     # no weight decay: the same parameters as in the plain model, plus the patch head's 1-d ones and biases
     nwd_plain = plain.no_weight_decay() if hasattr(plain, 'no_weight_decay') else set()
     assert no_decay_names(model, model.no_weight_decay()) == \
@@ -370,6 +377,38 @@ def test_layer_decay_of_a_backbone_without_a_group_matcher_groups_as_timm_does()
     assert {n: got['backbone.' + n] for n in want} == want
     assert {n for n in got if not n.startswith('backbone.')} == {'patch_head.fc.weight', 'patch_head.fc.bias'}
     assert got['patch_head.fc.weight'] == want['head.fc.weight'] == 1.0  # the classifier's group
+
+
+def test_layer_decay_of_a_backbone_whose_matcher_groups_the_classifier():
+    """iFormer's fine matcher puts its classifier in the last block's group (``(r'^head', (99999,))``); the patch
+    head left unmatched formed a group of its own after it, so timm's layer decay scaled every parameter one step
+    lower than on the plain model (the classifier 0.75 instead of 1.0)."""
+    from timm.optim import create_optimizer_v2
+    torch.manual_seed(0)
+    plain = timm.create_model('iformer_t', num_classes=3)
+    model = timm.create_model('patchhead_iformer_t', num_classes=3)
+
+    def scales(m, prefix=''):  # (timm's layer decay groups by the fine matcher)
+        names = {id(p): n for n, p in m.named_parameters()}
+        opt = create_optimizer_v2(m, 'adamw', lr=1e-3, weight_decay=0.05, layer_decay=0.75)
+        return {names[id(p)][len(prefix):]: g['lr_scale'] for g in opt.param_groups for p in g['params']}
+    want, got = scales(plain), scales(model)
+    assert {n: got['backbone.' + n] for n in want} == want
+    assert got['patch_head.fc.weight'] == got['patch_head.fc.bias'] == want['head.head.l.weight'] == 1.0
+    assert isinstance(model.group_matcher(False), dict) and isinstance(model.group_matcher(True), dict)
+
+
+def test_patch_head_group_left_alone_where_the_classifier_ordinal_comes_from_its_name():
+    """A matcher entry with capture groups gives the classifier an ordinal read from its name; the patch head's
+    names cannot repeat it, so the matcher is returned unchanged and the patch head stays unmatched."""
+    from timm_patchmix.models.patchhead import _join_classifier_group
+    matcher = {'blocks': [(r'^backbone\.(?:blocks\.(\d+))', None), (r'^backbone\.(?:head)\.(\d+)', (99999,))]}
+    assert _join_classifier_group(matcher, ['backbone.head.0.weight']) is matcher
+    plain = {'stem': r'^backbone\.(?:stem)', 'head': r'^backbone\.(?:head)'}
+    joined = _join_classifier_group(plain, ['backbone.head.weight'])
+    assert joined['head'] == [(r'^backbone\.(?:head)', None), (r'^patch_head\.', None)]
+    assert joined['stem'] == plain['stem'] and plain['head'] == r'^backbone\.(?:head)'  # the input is not changed
+    assert _join_classifier_group(plain, []) is plain  # num_classes=0: no classifier, no patch-head parameters
 
 
 def test_default_cfg_is_assignable_as_on_timm_models():

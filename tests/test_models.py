@@ -1,6 +1,8 @@
 """patchhead_* models: registration, layouts, exact region pooling, timm conventions, CIFAR backbones."""
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 import timm
@@ -9,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import timm_patchmix  # noqa: F401  registers patchhead_*
 from timm_patchmix import PatchMix, PatchMixLoss, cell_bounds
 from timm_patchmix.models import PatchHeadModel, register_patchhead_models
+from timm_patchmix.models.patchhead import PatchHead
 
 SMALL_SWIN = dict(embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=4, img_size=128)
 ARCHS = [
@@ -268,6 +271,28 @@ def test_reset_classifier_keeps_dtype_mode_and_reports_the_pooled_width(name):
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
 
 
+@pytest.mark.parametrize('name', ['resnet8_cifar', 'preactresnet18_cifar', 'patchhead_resnet8_cifar', 'resnet18',
+                                  'patchhead_resnet18'])
+def test_no_pooling_leaves_the_feature_map_as_timm_does(name):
+    """``num_classes=0, global_pool=''`` (at creation, by ``reset_classifier(0, '')``, or by timm's
+    ``prune_intermediate_layers``) gives the unpooled NCHW map, as timm's ResNet does; the CIFAR backbones flattened
+    it to ``[B, C*H*W]`` while ``head_hidden_size`` still said C."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    m = timm.create_model(name, num_classes=0, global_pool='').eval()
+    f = m.forward_features(x)
+    assert f.ndim == 4 and f.shape[1] == m.num_features == m.head_hidden_size
+    assert torch.equal(m(x), f) and torch.equal(m.forward_head(f, pre_logits=True), f)
+    m = timm.create_model(name, num_classes=5).eval()
+    m.reset_classifier(0, '')
+    assert torch.equal(m(x), m.forward_features(x))
+    m.reset_classifier(3, 'avg')  # pooling back: flattened for the classifier again
+    assert m(x).shape == (2, 3) and m.forward_head(m.forward_features(x), pre_logits=True).shape == (2, m.num_features)
+    m = timm.create_model(name, num_classes=5).eval()
+    m.prune_intermediate_layers(indices=1)
+    assert m(x).ndim == 4
+
+
 @pytest.mark.parametrize('name', ['patchhead_resnet8_cifar', 'patchhead_resnet18'])
 def test_factory_device_and_dtype_reach_the_patch_head(name):
     """timm's create_model takes device=/dtype= factory arguments; they reached the backbone only, so a float64
@@ -297,3 +322,47 @@ def test_a_pruned_backbones_narrower_map_gets_a_patch_head_of_its_width(prune_he
     assert plain.train()(x).shape == (2, 5)
     logits, patches = m.train()(x)
     assert logits.shape == (2, 5) and patches.shape == (2, 4, 5) and m.patch_head.fc.in_features == 32
+
+
+@pytest.mark.parametrize('value', ['no', 'False', 2, 1, 0.0])
+def test_per_position_takes_only_a_bool(value):
+    """A truthy string or number silently built a classifier per cell; only True/False are taken."""
+    with pytest.raises(ValueError, match=rf'per_position must be True or False, got {re.escape(repr(value))}'):
+        timm.create_model('patchhead_resnet8_cifar', per_position=value)
+    with pytest.raises(ValueError, match='per_position must be True or False'):
+        PatchHead(8, 3, 2, per_position=value)
+    assert timm.create_model('patchhead_resnet8_cifar', per_position=np.bool_(True)).patch_head.per_position is True
+
+
+def test_plain_checkpoint_into_a_patchhead_model(tmp_path):
+    """timm's ``checkpoint_path=`` (a strict load) with a plain model's checkpoint ended in torch's list of every
+    name missing and unexpected; it now names the routes that take it. ``--initial-checkpoint`` (the engine's
+    loader) is one: it loads a plain model's weights into the backbone, under the usual classifier rule, and the
+    patch head starts fresh."""
+    from timm_patchmix.engine.model import load_initial_checkpoint
+    torch.manual_seed(0)
+    plain = timm.create_model('resnet8_cifar', num_classes=10)
+    path = str(tmp_path / 'plain.safetensors')
+    save_file(plain.state_dict(), path)
+    with pytest.raises(RuntimeError, match=r'plain CifarResNet model.s weights .*load them into model\.backbone.*'
+                                           r'pretrained_cfg_overlay=dict\(file='):
+        timm.create_model('patchhead_resnet8_cifar', checkpoint_path=path)
+    for n in (10, 5):
+        torch.manual_seed(1)
+        model = timm.create_model('patchhead_resnet8_cifar', num_classes=n)
+        fresh_head = {k: v.clone() for k, v in model.patch_head.state_dict().items()}
+        load_initial_checkpoint(model, path)
+        got = model.backbone.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in plain.state_dict().items() if n == 10 or not k.startswith('fc.'))
+        assert all(torch.equal(model.patch_head.state_dict()[k], v) for k, v in fresh_head.items())
+        if n == 5:
+            assert got['fc.weight'].shape == (5, plain.num_features)
+    # a whole patchhead_ model's state dict still loads strictly, by checkpoint_path too
+    whole = str(tmp_path / 'whole.safetensors')
+    save_file(model.state_dict(), whole)
+    again = timm.create_model('patchhead_resnet8_cifar', num_classes=5, checkpoint_path=whole)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+    # non-strict loads keep torch's behaviour (nothing matched, every name reported)
+    missing, unexpected = timm.create_model('patchhead_resnet8_cifar').load_state_dict(plain.state_dict(),
+                                                                                       strict=False)
+    assert len(unexpected) == len(plain.state_dict())

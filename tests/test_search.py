@@ -284,6 +284,47 @@ def test_search_returns_its_result(ckpt, tmp_path):
     Search.from_checkpoint(cfg)  # what only reads (the generalisation tool) still builds the search there
 
 
+def test_a_device_or_callback_it_cannot_use_is_refused_before_anything_is_written(ckpt, tmp_path):
+    """From Python a SearchConfig's device was used unchecked (the meta device made the folder, then failed in
+    torch; an unknown name was torch's raw error), and an on_generation that cannot be called failed after the
+    first state was written, which then blocked a corrected rerun without resume. Both are refused first now, as
+    search.py's --device is."""
+    out = tmp_path / 'out'
+    for device, message in (('meta', "device: 'meta' holds no data to compute with"),
+                            ('bogus', "device: not a torch device: 'bogus'")):
+        cfg = SearchConfig(checkpoint=ckpt, output=str(out), device=device, k=2, val_subset=300, population=4,
+                           generations=1)
+        with pytest.raises(SearchError, match=re.escape(message)):
+            search(cfg)
+        with pytest.raises(SearchError, match=re.escape(message)):
+            Search.from_checkpoint(cfg)
+    if not torch.cuda.is_available():
+        with pytest.raises(SearchError, match="device: 'cuda' names a CUDA device, and this machine has none"):
+            search(SearchConfig(checkpoint=ckpt, output=str(out), device='cuda', k=2, val_subset=300))
+    with pytest.raises(TypeError, match=r'on_generation must be a callable taking \(search, row\), got int'):
+        search(SearchConfig(checkpoint=ckpt, output=str(out), device='cpu', k=2, val_subset=300, population=4,
+                            generations=1), on_generation=5)
+    assert not out.exists()
+
+
+def test_mask_tables_compare_by_value(tmp_path):
+    """The dataclass's own == asked a numpy mask for one truth value and raised (so did comparing two
+    SearchResults); tables compare field by field, masks element by element."""
+    rng = np.random.default_rng(0)
+    masks = [rng.random((4, 4)) < 0.5 for _ in range(2)]
+    a = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), dataset_fingerprint('', PATCHSHAPES_CLASSES),
+                  [(0, 1), (2, 5)], masks, [0.25, 0.5], 0.375)
+    a.save(str(tmp_path / 'masks.json'))
+    b = MaskTable.load(str(tmp_path / 'masks.json'))
+    assert a == b and not (a != b)
+    flipped = [m.copy() for m in masks]
+    flipped[1][0, 0] = not flipped[1][0, 0]
+    assert a != dataclasses.replace(a, masks=flipped)
+    assert a != dataclasses.replace(a, masks=masks[:1], pairs=[(0, 1)], scores=[0.25])
+    assert a != dataclasses.replace(a, pairs=[(0, 1), (2, 6)]) and a != dataclasses.replace(a, scores=[0.25, 0.4])
+    assert (a == 'masks.json') is False
+
+
 def _draws():
     import random
     return random.random(), float(np.random.rand()), float(torch.rand(()))

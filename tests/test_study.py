@@ -290,11 +290,18 @@ def test_a_task_whose_flags_are_refused_fails_alone(tmp_path):
 
 def test_a_task_missing_an_earlier_tasks_file_fails_and_the_study_reports(tmp_path, capsys):
     """A search whose f_T task is marked done but whose checkpoint is gone fails with a FAILED line naming the file;
-    the study still writes its report and exits 1."""
+    the study still writes its report and exits 1, and gives the caller back its torch thread count."""
     out = str(tmp_path / 'study')
     _record(out, 'random_pm/s0', method='random_pm', seed=0, final_top1=10.0, best_top1=10.0,
             rows=[{'epoch': 0, 'train_loss': 1.0, 'eval_loss': 1.0, 'eval_top1': 10.0}])
-    assert study.main(['--quick', '--output', out, '--tasks', 'search/s0', '--threads', '1']) == 1
+    import torch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert study.main(['--quick', '--output', out, '--tasks', 'search/s0', '--threads', '1']) == 1
+        assert torch.get_num_threads() == 3  # --threads was the study's; the caller keeps its own (as the pipeline)
+    finally:
+        torch.set_num_threads(previous)
     log = capsys.readouterr().out
     missing = os.path.join(out, 'random_pm', 's0', 'best.safetensors')
     assert f'[study] FAILED search/s0: TaskRecordError: {missing} is missing, though task random_pm/s0 is marked ' \

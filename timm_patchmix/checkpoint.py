@@ -438,6 +438,8 @@ def load_weights(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     tensors, meta = _read(path)
     if meta.get('kind') == 'train_state':
         _check_train_meta(path, meta)
+    elif meta.get('kind') is not None:  # a search state: no model's tensors (it would load as a model that fits none)
+        raise not_model_weights(path, str(meta['kind']))
     else:
         check_weights_meta(meta, Fields(path, CheckpointError))
     return {k[len('model.'):] if meta.get('kind') == 'train_state' else k: v for k, v in tensors.items()
@@ -641,6 +643,9 @@ def load_state(path: str) -> Dict[str, Any]:
         raise CheckpointError(f'checkpoint {path} is a folder, not a file'
                               + (f'; resume from {inside}, the training state in it' if os.path.isfile(inside) else ''))
     tensors, meta = _read(path)
+    if meta.get('kind') == 'search_state':
+        raise CheckpointError(f'{path} is a search state (to resume search.py from), not a training state to resume '
+                              f'train.py from: give the run\'s state.safetensors')
     if meta.get('kind') != 'train_state':
         beside = os.path.join(os.path.dirname(path), 'state.safetensors')
         hint = f'resume from {beside}, the training state train.py writes beside it, or ' \

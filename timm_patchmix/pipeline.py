@@ -830,6 +830,8 @@ def main(argv=None, *, on_train_step=None) -> str:
     optimizer step of every training phase (a :class:`~timm_patchmix.engine.StepEvent`); it needs ``--jobs 1``,
     as the phases of ``--jobs N`` run in other processes."""
     started = time.monotonic()
+    if on_train_step is not None and not callable(on_train_step):  # (before any phase writes)
+        raise TypeError(f'on_train_step must be a callable taking a StepEvent, got {type(on_train_step).__name__}')
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

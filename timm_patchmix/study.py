@@ -732,11 +732,15 @@ def main(argv=None, log=print) -> int:
             write_settings(record, now)
         if not args.report:
             import torch
-            if args.jobs == 1:
-                torch.set_num_threads(threads)
-            started = time.monotonic()
-            failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads,
-                              (['--quick'] if args.quick else []) + budget_args, log)
+            previous = torch.get_num_threads()
+            try:
+                if args.jobs == 1:
+                    torch.set_num_threads(threads)
+                started = time.monotonic()
+                failed = schedule(args.output, tasks, _needed(tasks, args.tasks), args.jobs, threads,
+                                  (['--quick'] if args.quick else []) + budget_args, log)
+            finally:
+                torch.set_num_threads(previous)  # --threads is for the study's own work; the caller keeps its count
             log(f'[study] this invocation: {(time.monotonic() - started) / 60:.1f} min')
         text = report(args.output, cfg, tasks, args.quick)
     log(text)

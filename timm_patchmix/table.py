@@ -65,9 +65,12 @@ def check_run_values(num_classes: Any, fingerprint: Any) -> None:
         raise ValueError(f'fingerprint must be a non-empty str (dataset_fingerprint gives it), got {fingerprint!r}')
 
 
-@dataclass
+@dataclass(eq=False)
 class MaskTable:
-    """Searched class pairs and their ``rows x cols`` masks (True: the cell comes from the first class's image)."""
+    """Searched class pairs and their ``rows x cols`` masks (True: the cell comes from the first class's image).
+
+    Two tables are equal when every field is, the masks compared element by element (the dataclass's own ``==``
+    would ask a numpy array for one truth value and raise)."""
     grid: Tuple[int, int]
     num_classes: int
     class_names: List[str]
@@ -78,6 +81,18 @@ class MaskTable:
     best_fitness: float
     search_args: Dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MaskTable):
+            return NotImplemented
+        plain = ('num_classes', 'fingerprint', 'best_fitness', 'search_args', 'schema_version')
+        return (all(getattr(self, k) == getattr(other, k) for k in plain)
+                and all(list(getattr(self, k)) == list(getattr(other, k)) for k in ('grid', 'class_names', 'scores'))
+                and [tuple(map(int, p)) for p in self.pairs] == [tuple(map(int, p)) for p in other.pairs]
+                and len(self.masks) == len(other.masks)
+                and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(self.masks, other.masks)))
+
+    __hash__ = None  # (mutable, as the dataclass's own)
 
     def to_json(self) -> str:
         doc = {

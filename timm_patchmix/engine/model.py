@@ -220,10 +220,24 @@ def model_kwargs_error(cfg: TrainConfig, error: TypeError) -> Optional[ConfigErr
 
 def load_initial_checkpoint(model: nn.Module, path: str) -> None:
     """Load weights, dropping classifier tensors whose shapes differ (a new num_classes re-initialises them). A
-    tensor of another kind than the model's (an integer or boolean tensor for a float parameter) is refused."""
-    from ..checkpoint import CheckpointError, load_weights
-    from ..validation import check_tensor_kinds
+    tensor of another kind than the model's (an integer or boolean tensor for a float parameter) is refused.
+
+    A ``patchhead_`` model also takes a plain timm model's weights (no name under ``backbone.`` or
+    ``patch_head.``): they load into the backbone under the same rules, and the patch head starts fresh."""
+    from ..checkpoint import load_weights
+    from ..models.patchhead import PatchHeadModel, holds_plain_backbone
     state, _ = load_weights(path)
+    if isinstance(model, PatchHeadModel) and holds_plain_backbone(state, model.backbone):
+        _load_into(model.backbone, state, path)
+        _logger.info('initial checkpoint: %s holds a plain model\'s weights; loaded them into the backbone, the '
+                     'patch head starts fresh', path)
+        return
+    _load_into(model, state, path)
+
+
+def _load_into(model: nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
+    from ..checkpoint import CheckpointError
+    from ..validation import check_tensor_kinds
     own = model.state_dict()
     heads = getattr(model, 'pretrained_cfg', {}).get('classifier') or ()
     heads = (heads,) if isinstance(heads, str) else tuple(heads)

@@ -288,6 +288,10 @@ def load_scheduler_state(scheduler, state: Optional[Dict[str, Any]]) -> None:
             setattr(inner, k, state[k])
 
 
+# the files a run writes when it ends, of its best and final weights
+ENDED_FILES = ('results.json', 'fgsm.json')
+
+
 def write_args(out_dir: str, cfg: TrainConfig) -> None:
     """``args.yaml``: the resolved settings of the run whose files the folder holds."""
     from ..checkpoint import atomic_write_text
@@ -432,6 +436,12 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
         return lost
     if not same:  # the state itself, so that the new folder resumes (a finished run's saves no epoch there)
         atomic_copy(resume, os.path.join(out_dir, 'state.safetensors'))
+        # the folder's records of another run (its settings, its end-of-run numbers) would pass for this one's
+        # beside the state and weights copied in: removed, and args.yaml written anew (write_start)
+        for name in ENDED_FILES + ('args.yaml',):
+            path = os.path.join(out_dir, name)
+            if os.path.isfile(path):
+                os.remove(path)
     for name, how in plan:
         if how == 'write':
             save_weights(os.path.join(out_dir, name), weights, own)

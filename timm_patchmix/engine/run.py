@@ -17,9 +17,9 @@ from .errors import ConfigError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
-from .records import (CHECKPOINT_NAME, ResumePoint, checkpoint_history, clean_scheduled_lr, data_identity, improves,
-                      load_resume, load_scheduler_state, restore_weights_files, resume_settings, save_epoch,
-                      scheduler_state, weights_meta, write_args, write_start)
+from .records import (CHECKPOINT_NAME, ENDED_FILES, ResumePoint, checkpoint_history, clean_scheduled_lr,
+                      data_identity, improves, load_resume, load_scheduler_state, restore_weights_files,
+                      resume_settings, save_epoch, scheduler_state, weights_meta, write_args, write_start)
 from .runtime import Runtime, epoch_seed, init_runtime, release_runtime, seed_all
 
 __all__ = ['TrainResult', 'train']
@@ -84,6 +84,8 @@ def train(cfg: TrainConfig, *, on_step: Optional[Callable[[StepEvent], None]] = 
     :class:`NonFiniteLossError` when the loss stops being finite (earlier epochs' files stay as they were). The
     global generators of Python, NumPy and torch are the caller's again on return."""
     from ..checkpoint import kept_rng_state
+    if on_step is not None and not callable(on_step):  # (it would fail at the first batch, after args.yaml)
+        raise TypeError(f'on_step must be a callable taking a StepEvent, got {type(on_step).__name__}')
     cfg = cfg.with_recipe()
     with kept_rng_state():  # the run seeds the global generators; the caller gets its own back
         rt = init_runtime(cfg.device)
@@ -477,10 +479,6 @@ def _test_best(cfg: TrainConfig, rt: Runtime, model: nn.Module, loaders: Loaders
     state, _ = load_weights(os.path.join(out_dir, 'best.safetensors'))
     model.load_state_dict(state)
     return _test_row(best['epoch'], validate(model, loaders.test, cfg, rt.device, stepper.autocast))
-
-
-# the files a run writes when it ends, of its best and final weights
-ENDED_FILES = ('results.json', 'fgsm.json')
 
 
 def _write_results(out_dir: str, cfg: TrainConfig, splits: Dict[str, Any], test: Dict[str, Dict[str, Any]],

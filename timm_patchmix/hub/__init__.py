@@ -67,11 +67,16 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
                               f'patchhead checkpoint')
     repo_id = repo_id or '<user>/' + _repo_name(folder)  # (a placeholder the card's reader replaces)
     trained_with = (meta.get('patchmix') or {}).get('table') or None  # the table the model trained on, if any
+    given = table
     table = table or trained_with
     data = meta.get('data') or {}
     table_doc = None
     if table:
         if not os.path.isfile(table):
+            if given:
+                raise CheckpointError(f'the mask table {table} given with --table (table=) '
+                                      + ('is a folder, not a masks.json file' if os.path.isdir(table)
+                                         else 'does not exist'))
             raise CheckpointError(f'{checkpoint} trained with the mask table {table}, which is not there; pass '
                                   f'--table with its path')
         _check_destination(checkpoint, folder, table)

@@ -66,6 +66,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     q.add_argument('source', type=file_or_name,
                    help='checkpoint file, hf-hub:<repo>, local-dir:<folder> or a registered tag')
     q.add_argument('--output', required=True, type=new_file, help='the .safetensors file to write')
+    q.add_argument('--overwrite', action='store_true', help='replace an existing file at the destination')
     return p
 
 
@@ -81,7 +82,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
                        private=a.private, revision=a.revision, overwrite=a.overwrite)
             print(out if a.dry_run else f'pushed to {a.repo_id}: {out}')
         else:
-            print(export_backbone(a.source, a.output))
+            print(export_backbone(a.source, a.output, overwrite=a.overwrite))
     except (CheckpointError, FileExistsError, FileNotFoundError, RuntimeError, ValueError, WriteError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2

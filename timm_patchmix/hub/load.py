@@ -25,8 +25,8 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
     interpolation, crop_pct), so ``timm.data.resolve_model_data_config(model)`` gives its preprocessing."""
     state, meta = load_weights(path)
     arch = meta.get('model')
-    if not arch and meta.get('kind') == 'train_state':
-        raise not_model_weights(path, 'train_state')
+    if not arch and meta.get('kind') is not None:
+        raise not_model_weights(path, str(meta['kind']))
     if not arch:
         raise CheckpointError(f'{path} carries no timm_patchmix metadata naming its model; build the model '
                               f'yourself and load the file with safetensors.torch.load_file')
@@ -248,16 +248,20 @@ def _source_files(source) -> List[str]:
     return [found] if found else []
 
 
-def export_backbone(source, path: str) -> str:
+def export_backbone(source, path: str, overwrite: bool = False) -> str:
     """Write the plain backbone's state dict as safetensors (atomically), for timm's documented file overlay:
     ``timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=dict(file=path, num_classes=C))``. Its
-    metadata records the architecture, the class count and names and the data config. ``path`` may not be the file
-    the source's weights are read from."""
+    metadata records the architecture, the class count and names and the data config. An existing file at ``path``
+    is replaced only with ``overwrite``, and never when it is the file the source's weights are read from."""
+    if os.path.isdir(path):
+        raise FileExistsError(f'{path} is a folder; the backbone is written to a .safetensors file, so name one')
     if isinstance(source, (str, os.PathLike)) and os.path.exists(path):
         for read in _source_files(source):
             if os.path.exists(read) and os.path.samefile(read, path):  # it would replace the weights it came from
                 raise CheckpointError(f'{path} is the checkpoint the backbone is read from ({source}); write it to '
                                       f'another file')
+    if os.path.lexists(path) and not overwrite:  # (a run's state or checkpoint, another export: not replaced unasked)
+        raise FileExistsError(f'{path} exists; pass overwrite=True (--overwrite) to replace it')
     arch, state, cfg = backbone_state_dict(source)
     names = cfg.pop('label_names', None)
     save_weights(path, state, {'model': arch, 'num_classes': cfg['num_classes'], 'data': cfg,

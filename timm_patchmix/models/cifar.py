@@ -86,6 +86,12 @@ class PreActBottleneck(nn.Module):
         return _drop_path(out, self.drop_path, self.training) + sc
 
 
+def _pool(global_pool: str) -> SelectAdaptivePool2d:
+    """The global pooling for ``global_pool``, flattened for the linear classifier; ``''`` (no pooling) leaves the
+    NCHW map as it is, as timm's classifier factory does (``num_classes=0, global_pool=''`` gives the unpooled map)."""
+    return SelectAdaptivePool2d(pool_type=global_pool, flatten=bool(global_pool))
+
+
 def _drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if p == 0.0 or not training:
         return x
@@ -141,7 +147,7 @@ class CifarResNet(nn.Module):
         if self.preact:
             self.feature_info[-1]['module'] = 'final_act'
         self.num_features = in_chs
-        self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
+        self.global_pool = _pool(global_pool)
         self.fc = self._classifier(num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
@@ -169,7 +175,7 @@ class CifarResNet(nn.Module):
         in the model's train or eval mode; ``global_pool`` replaces the pooling when given."""
         self.num_classes = num_classes
         if global_pool is not None:
-            self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
+            self.global_pool = _pool(global_pool)
         weight = self.conv1.weight
         self.fc = self._classifier(num_classes).to(device=weight.device, dtype=weight.dtype)
         self.global_pool.train(self.training)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+import re
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.fx
 import torch.nn as nn
@@ -217,7 +219,7 @@ class PatchHead(nn.Module):
         super().__init__()
         self.grid = to_grid(grid)
         self.num_features = num_features
-        self.per_position = per_position
+        self.per_position = check_per_position(per_position)
         self.set_layout()
         self.reset(num_classes)
 
@@ -296,6 +298,19 @@ class PatchHeadModel(nn.Module):
             cfg['first_conv'] = _prefix_names(cfg['first_conv'])
         cfg['architecture'] = PREFIX + cfg.get('architecture', type(backbone).__name__.lower())
         self.pretrained_cfg = cfg
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a plain timm model's state dict (no name under ``backbone.`` or
+        ``patch_head.``, as timm's ``checkpoint_path=`` or ``load_checkpoint`` pass a plain checkpoint) is refused
+        under ``strict`` with the routes that take it, where torch would list every name as missing and
+        unexpected."""
+        if strict and holds_plain_backbone(state_dict, self.backbone):
+            raise RuntimeError(
+                f'the state dict holds a plain {type(self.backbone).__name__} model\'s weights (no name under '
+                f'"backbone." or "patch_head."), not a patchhead_ model\'s: load them into model.backbone, or create '
+                f'the model with pretrained=True, pretrained_cfg_overlay=dict(file=<the .safetensors file>) (the '
+                f'patch head starts fresh; train.py: --initial-checkpoint <the file>)')
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _sync_layout(self) -> None:
         """Read the backbone's output layout into the patch head (again after anything that changes it)."""
@@ -397,8 +412,16 @@ class PatchHeadModel(nn.Module):
             inner = method(coarse)
             if callable(inner) and not isinstance(inner, dict):
                 return _prefix_callable_matcher(inner)
-            return {k: _prefix_matcher(v) for k, v in inner.items()}
+            return _join_classifier_group({k: _prefix_matcher(v) for k, v in inner.items()},
+                                          self._classifier_param_names())
         return group_matcher
+
+    def _classifier_param_names(self) -> List[str]:
+        """The wrapped names of the backbone classifier's parameters (none for ``num_classes=0``)."""
+        head = self.backbone.get_classifier() if hasattr(self.backbone, 'get_classifier') else None
+        heads = head if isinstance(head, (tuple, list)) else (head,)  # (a distilled DeiT's two heads)
+        ids = {id(p) for h in heads if isinstance(h, nn.Module) for p in h.parameters()}
+        return [f'backbone.{n}' for n, p in self.backbone.named_parameters() if id(p) in ids]
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -632,12 +655,54 @@ def _prefix_matcher(v):
     return v
 
 
+def _join_classifier_group(matcher: Dict[str, Any], classifier_names: List[str]) -> Dict[str, Any]:
+    """Put the patch head in the classifier's group of a (prefixed) dict matcher.
+
+    Most backbones leave the classifier unmatched, and timm sorts unmatched names, the patch head's too, into one
+    last group. Some match it (iFormer: ``(r'^head', (99999,))``, which joins the last block's group): there the
+    patch head gets the entry and suffix that matched the classifier, so it lands in the same group rather than a
+    group of its own after it, which would shift every layer-decay scale by one step. An entry with capture groups
+    gives the classifier an ordinal read from its name, which the patch head's names cannot repeat; it is left
+    unmatched there."""
+    for name in classifier_names[:1]:
+        for key, spec in matcher.items():
+            if spec is None:
+                continue
+            entries = list(spec) if isinstance(spec, (list, tuple)) else [(spec, None)]
+            for regex, suffix in entries:
+                if re.match(regex, name):
+                    if re.compile(regex).groups:
+                        return matcher
+                    out = dict(matcher)
+                    out[key] = entries + [(r'^patch_head\.', suffix)]
+                    return out
+    return matcher
+
+
 def _prefix_callable_matcher(fn):
     def matcher(name: str):
         if name.startswith('backbone.'):
             return fn(name[len('backbone.'):])
         return float('inf')  # the patch head goes with the classifier, after every backbone group
     return matcher
+
+
+def holds_plain_backbone(state_dict: Mapping[str, Any], backbone: nn.Module) -> bool:
+    """Whether ``state_dict`` is a plain model's for ``backbone``: no name under ``backbone.`` or ``patch_head.``,
+    and some of the backbone's own names."""
+    keys = list(state_dict.keys())
+    if not keys or any(str(k).startswith(('backbone.', 'patch_head.')) for k in keys):
+        return False
+    own = set(backbone.state_dict().keys())
+    return any(k in own for k in keys)
+
+
+def check_per_position(per_position: Any) -> bool:
+    """``per_position`` as a bool; anything but True or False (a string such as ``'no'``, an int) is a
+    ``ValueError``, where a truthy value would otherwise silently build a classifier per cell."""
+    if not isinstance(per_position, (bool, np.bool_)):
+        raise ValueError(f'per_position must be True or False, got {per_position!r}')
+    return bool(per_position)
 
 
 def create_patchhead(arch: str, pretrained: bool = False, grid: GridSpec = 4, per_position: bool = False,
@@ -648,6 +713,7 @@ def create_patchhead(arch: str, pretrained: bool = False, grid: GridSpec = 4, pe
     ``in_chans``, ``pretrained_cfg``...) pass through to timm.
     """
     grid = to_grid(grid)
+    per_position = check_per_position(per_position)  # (before the backbone is built)
     backbone = timm.create_model(arch, pretrained=pretrained, **kwargs)
     if not hasattr(backbone, 'forward_features') or not hasattr(backbone, 'num_features'):
         raise ValueError(f'{arch} has no forward_features/num_features, which the patch head needs')

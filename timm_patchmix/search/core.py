@@ -19,6 +19,7 @@ import torch
 from deap import algorithms, base, tools
 
 from ..checkpoint import CheckpointError, load_bundle, save_bundle
+from ..cli_types import device_problem
 from ..grid import GridSpec, bits_to_mask, to_grid
 from ..settings import check_settings
 from ..table import MaskTable, dataset_fingerprint
@@ -37,6 +38,18 @@ def default_n_active(space: PairSpace) -> int:
     """N, the most active pairs of an individual, where ``--n-active`` is not given: the number of classes, at most
     the number of cross-class pairs (a 2-class dataset has one)."""
     return min(space.num_classes, space.num_cross)
+
+
+def search_device(cfg: SearchConfig) -> torch.device:
+    """The device ``cfg`` asks for (default: CUDA where there is one); ``SearchError`` naming the field for a name
+    torch cannot parse, the meta device or an accelerator this machine lacks, as search.py's --device is checked
+    (a config is a plain record and may be made on another machine, so this is checked where the search runs)."""
+    if cfg.device is None:
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    problem = device_problem(cfg.device)
+    if problem is not None:
+        raise SearchError(f'device: {problem}')
+    return torch.device(cfg.device)
 
 
 class Search:
@@ -109,7 +122,7 @@ class Search:
         split it is scored on (its held-out training images when it was trained with ``--holdout``), and, with
         ``cfg.resume``, the state in ``cfg.output``. Raises ``SearchError``,
         ``CheckpointError`` or ``SettingsChangedError`` (a resume with other settings), naming what to change."""
-        device = torch.device(cfg.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        device = search_device(cfg)
         model, meta = load_model(cfg)
         grid = tuple(model.grid)
         data = load_validation(cfg, model, meta)

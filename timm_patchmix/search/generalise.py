@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, WriteError, atomic_write_text, load_weights
+from ..cli_types import device_problem
 from ..grid import mask_to_bits
 from ..locking import folder_problem
 from ..mix import PatchMix
@@ -218,6 +219,13 @@ def table_generalisation(checkpoint: Union[str, os.PathLike], table: Union[str, 
     for name, v, lo in (('fresh_k', fresh_k, 1), ('random_masks', random_masks, 1), ('seed', seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f'{name} must be an integer >= {lo}, got {v!r}')
+    # the caller's own arguments, checked as such (in the search config they would read as the table's fault)
+    if eval_batch_size is not None and (isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int)
+                                        or eval_batch_size < 1):
+        raise ValueError(f'eval_batch_size must be an integer >= 1, got {eval_batch_size!r}')
+    problem = device_problem(device) if isinstance(device, str) else f'must be a device name, got {device!r}'
+    if problem is not None:
+        raise ValueError(f'device: {problem}')
     t0 = time.perf_counter()
     checkpoint = os.fspath(checkpoint)  # (a pathlib.Path as the string the search config takes)
     path = os.fspath(table) if isinstance(table, (str, os.PathLike)) else None

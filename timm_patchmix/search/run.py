@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..checkpoint import atomic_write_text
 from ..locking import folder_problem, hold_folder
 from .config import SearchConfig, SearchResult, kept_genes, score_words
-from .core import GenerationCallback, Search, SearchError
+from .core import GenerationCallback, Search, SearchError, search_device
 from .inputs import SearchUsageError
 
 __all__ = ['search', 'write_logbook']
@@ -38,6 +38,9 @@ def search(cfg: SearchConfig, *, on_generation: Optional[GenerationCallback] = N
     does not change the search.
     """
     from ..checkpoint import kept_rng_state
+    if on_generation is not None and not callable(on_generation):  # (it would fail after the first state write)
+        raise TypeError(f'on_generation must be a callable taking (search, row), got '
+                        f'{type(on_generation).__name__}')
     with kept_rng_state():
         return _search(cfg, on_generation)
 
@@ -49,6 +52,7 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
     if not cfg.resume and os.path.exists(state_path):  # another search's work, which this one would replace
         raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue it, '
                                f'or start afresh in another --output (or delete that folder first)')
+    search_device(cfg)  # (a device it cannot run on: before the folder is made)
     problem = folder_problem(cfg.output)  # (on every process, before the model and the images are loaded)
     if problem:  # (worded as hold_folder words it, "it" where the folder itself is at fault)
         where, what = problem
