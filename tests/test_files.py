@@ -586,6 +586,41 @@ def test_export_overwrite_never_deletes_the_run(tmp_path, capsys):
         == before
 
 
+def test_export_into_the_current_folder_is_refused(tmp_path, capsys, monkeypatch):
+    """`hub export --output . --overwrite` ended in a traceback (renaming the current folder); the current folder
+    and a folder above it are refused as a destination, with one error line."""
+    run, best = _run_folder(tmp_path)
+    here = tmp_path / 'elsewhere' / 'inner'
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    for dest, message in (('.', 'is the current folder'), ('..', 'contains the current folder')):
+        assert hub.main(['export', '--checkpoint', best, '--output', dest, '--overwrite']) == 2
+        err = capsys.readouterr().err
+        assert f'refusing to export into {dest}: it {message}' in err and 'Traceback' not in err, err
+    assert here.is_dir() and os.listdir(here) == []
+
+
+def test_a_file_name_near_the_limit_is_written_atomically(tmp_path):
+    """The temporary's name added about 30 characters to the target's, so a name the file system takes (222 to 255
+    bytes) could not be written; the temporary's copy of the name is cut to fit."""
+    for name in ('r' * 250 + '.json', '\u00e9' * 125 + '.json'):  # 255 bytes each (é is two bytes in UTF-8)
+        path = tmp_path / name
+        path.write_text('old')
+        atomic_write_text(str(path), 'new')
+        assert path.read_text() == 'new'
+    assert sorted(os.listdir(tmp_path)) == sorted(['r' * 250 + '.json', '\u00e9' * 125 + '.json'])
+
+
+def test_a_file_path_ending_in_a_separator_is_refused_before_the_work(tmp_path):
+    """generalise --output gen/ ran the whole measurement and then failed to write; a path that names a folder is
+    refused as the flag is read."""
+    import argparse
+    from timm_patchmix.cli_types import new_file
+    with pytest.raises(argparse.ArgumentTypeError, match="expects a file path, got 'gen/', which ends in '/'"):
+        new_file('gen/')
+    assert new_file('gen.json') == 'gen.json'
+
+
 def test_export_table_must_match_the_model(ckpt, tmp_path, capsys):
     pairs, masks = [(0, 1), (2, 3)], [np.eye(4, dtype=bool), ~np.eye(4, dtype=bool)]
     ours = MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), FP, pairs, masks, [0.1, 0.2], 0.15)

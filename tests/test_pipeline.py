@@ -521,6 +521,29 @@ def test_train_args_that_a_phase_would_refuse_stop_before_anything_is_written(tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize('marker, whose', [('search_state.safetensors', 'a search (search.py)'),
+                                           ('args.yaml', 'a training run (train.py)'), ('study.json', 'a study')])
+def test_a_folder_of_another_commands_output_is_refused(tmp_path, capsys, monkeypatch, marker, whose):
+    """The pipeline wrote its fixed-name files (masks.json, fitness.png, pairs.png, report.md) into any folder,
+    replacing a search's table and plots, or a study's report. A root that holds another command's output is a
+    usage error before anything is written; the pipeline's own folder is still reused."""
+    import timm_patchmix.pipeline as pipeline
+    out = tmp_path / 'p'
+    out.mkdir()
+    (out / marker).write_text('theirs')
+    (out / 'masks.json').write_text('their table')
+    before = snapshot(str(out))
+    assert pipeline.cli(['--output', str(out)]) == 2
+    assert f'cannot use {out}: it holds the output of {whose} ({marker})' in capsys.readouterr().err
+    assert snapshot(str(out)) == before
+    ran = []
+    monkeypatch.setattr(pipeline, '_run', lambda *a, **k: ran.append(1) or '')
+    (out / marker).unlink()
+    (out / 'report.md').write_text('an earlier pipeline report')
+    pipeline_main(['--output', str(out)])
+    assert ran == [1]
+
+
 def test_a_phase_refused_once_its_model_is_built_restarts_under_corrected_train_args(tmp_path):
     """--drop-block on the CIFAR ResNet is refused when the model is built, after the phase recorded its settings:
     the folder holds that record alone, and the corrected rerun starts the phase afresh."""

@@ -310,6 +310,20 @@ def test_a_task_missing_an_earlier_tasks_file_fails_and_the_study_reports(tmp_pa
     assert os.path.isfile(os.path.join(out, 'report.md'))
 
 
+def test_a_pipeline_or_a_search_folder_is_not_made_a_study(tmp_path, capsys):
+    """A study wrote study.json and its report.md/report.json into any folder, replacing a pipeline's report.
+    A folder without study.json that holds another command's output is refused before anything is written."""
+    from test_resume_settings import snapshot
+    for marker, whose in (('report.md', 'a pipeline or a study'), ('search_state.safetensors', 'a search')):
+        out = tmp_path / marker.replace('.', '_')
+        out.mkdir()
+        (out / marker).write_text('theirs')
+        before = snapshot(str(out))
+        assert study.cli(['--quick', '--output', str(out), '--tasks', 'base/s0']) == 2
+        assert f'cannot use {out}: it holds the output of {whose}' in capsys.readouterr().err
+        assert snapshot(str(out)) == before
+
+
 def test_the_report_states_the_images_the_runs_used(tmp_path):
     """The header stated the subsets asked for; a split with fewer images trains on all it has, and the header now
     gives the number the runs' records give, the asked one beside it (and in report.json)."""

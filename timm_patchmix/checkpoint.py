@@ -68,9 +68,20 @@ SET_ASIDE = 'x'  # in a temporary folder: the folder an overwrite moved out of t
 _ACTIVE: Set[str] = set()  # this process's temporaries in flight
 
 
-def temp_prefix(path: str) -> str:
-    """The name prefix of the temporaries for ``path`` (the suffix is ``.tmp``)."""
-    return f'.{os.path.basename(os.path.normpath(path))}.patchmix-{os.getpid()}-'
+_NAME_MAX = 255  # bytes in one file name (Linux, macOS and Windows file systems alike)
+
+
+def temp_prefix(path: str, shorten: bool = False) -> str:
+    """The name prefix of the temporaries for ``path`` (the suffix is ``.tmp``). With ``shorten`` (a file's
+    temporary, whose name nothing reads back) the target's name is cut so that the temporary's name fits in
+    ``_NAME_MAX`` bytes wherever the target's does; a folder's keeps it whole (a killed overwrite's clean-up puts the
+    set-aside folder back under it)."""
+    base, tail = os.path.basename(os.path.normpath(path)), f'.patchmix-{os.getpid()}-'
+    if shorten:  # ('.', tempfile's random part with room to spare, '.tmp')
+        room = _NAME_MAX - len(os.fsencode(tail)) - 1 - 16 - len('.tmp')
+        while len(os.fsencode(base)) > room:
+            base = base[:-1]
+    return f'.{base}{tail}'
 
 
 def _process_gone(pid: int) -> bool:
@@ -163,7 +174,7 @@ def _atomic(path: str, write) -> None:
         raise WriteError(path, OSError(e.errno, ' '.join(problem)) if problem else e) from None
     try:
         clean_stale_temps(folder)
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix='.tmp', dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, shorten=True), suffix='.tmp', dir=folder)
         os.close(fd)
     except OSError as e:
         raise WriteError(path, e) from None

@@ -170,8 +170,13 @@ def optional_file(text: str) -> str:
 
 
 def new_file(text: str) -> str:
-    """A file to write (it may exist and is then replaced); a folder is refused."""
-    return _not_a_folder(text, 'a file path', 'path')
+    """A file to write (it may exist and is then replaced); a folder, or a path ending in a separator (a folder's
+    name, which the write would find only after the work), is refused."""
+    _not_a_folder(text, 'a file path', 'path')
+    if text.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+        raise argparse.ArgumentTypeError(f'expects a file path, got {text!r}, which ends in {text[-1]!r} as a '
+                                         f'folder does')
+    return text
 
 
 def directory(text: str) -> str:

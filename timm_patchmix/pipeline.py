@@ -35,7 +35,7 @@ from .children import child_command, cores, follow_parent, run_children
 from .cli_types import backbone_name, directory, fraction, nonneg_int, optional_directory, positive_int, seed_int
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, NUMBER, STRING, USAGE_ERROR, SettingsChangedError, check_settings, file_record,
-                       read_record, read_settings, write_settings)
+                       foreign_output, read_record, read_settings, write_settings)
 from .viz import render_guided_samples
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
@@ -859,6 +859,9 @@ def main(argv=None, *, on_train_step=None) -> str:
     if not _holdout(args) and 'holdout_seed' in _set_by(build_parser(), argv):
         print(f'note: --holdout-seed {args.holdout_seed} sets the held-out images of --holdout, which is off: it '
               f'changes nothing (drop --holdout 0 to use it)', file=sys.stderr, flush=True)
+    problem = foreign_output(args.output, own=('report.md',))  # (the root's fixed-name files would replace them)
+    if problem:
+        raise SettingsChangedError(problem)
     _check_all_phases(args)
     previous = torch.get_num_threads()
     try:

@@ -46,7 +46,7 @@ from .checkpoint import WriteError, atomic_write_text, clean_stale_temps, releas
 from .cli_types import backbone_name, directory
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, INTEGER, NUMBER, OBJECT, USAGE_ERROR, SettingsChangedError, check_settings,
-                       read_record, read_settings, write_settings)
+                       foreign_output, read_record, read_settings, write_settings)
 
 __all__ = ['FULL', 'QUICK', 'Task', 'build_tasks', 'main', 'cli']
 
@@ -711,6 +711,10 @@ def main(argv=None, log=print) -> int:
         parser.error(f'--report: {args.output} holds no study ({STUDY_FILE} is missing); give the --output of a '
                      f'study')
     now = json.loads(json.dumps(_settings(cfg, args.quick)))
+    if recorded is None and not args.list:  # (a study's own folder has its record; a pipeline's has report.md)
+        problem = foreign_output(args.output)
+        if problem:
+            raise SettingsChangedError(problem)
     if recorded is not None:
         check_settings(recorded, now, f'cannot reuse {args.output}: it was made',
                        'Rerun with the settings it was made with (--quick or not), or choose another --output.')

@@ -21,8 +21,8 @@ import re
 import shutil
 from typing import Optional
 
-from ..checkpoint import (SET_ASIDE, CheckpointError, atomic_write_text, clean_stale_temps, release_temp, save_weights,
-                          temp_dir)
+from ..checkpoint import (SET_ASIDE, CheckpointError, WriteError, atomic_write_text, clean_stale_temps, release_temp,
+                          save_weights, temp_dir)
 from ..data import DATA_CONFIG_KEYS, channel_matched, dataset_label
 from ..settings import file_record
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary, training_method
@@ -142,7 +142,10 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         os.chmod(tmp, 0o755)
         if os.path.lexists(folder):
             old = temp_dir(folder)
-            os.replace(folder, os.path.join(old, SET_ASIDE))
+            try:
+                os.replace(folder, os.path.join(old, SET_ASIDE))
+            except OSError as e:  # (a mount point, a folder another program holds busy: one error line)
+                raise WriteError(folder, e) from None
             try:
                 os.replace(tmp, folder)
             except BaseException:
@@ -184,7 +187,10 @@ def _check_destination(checkpoint: str, folder: str, table: Optional[str]) -> No
                               f'another --output')
     run = os.path.dirname(os.path.abspath(checkpoint))
     what = None
-    if _within(run, folder):
+    if _within(os.getcwd(), folder):  # (replacing it would leave this process and the caller's shell nowhere)
+        what = ('is the current folder' if os.path.realpath(os.getcwd()) == os.path.realpath(folder)
+                else 'contains the current folder')
+    elif _within(run, folder):
         what = (f'is the run folder of {checkpoint}' if os.path.realpath(run) == os.path.realpath(folder)
                 else f'contains the run folder {run} of {checkpoint}')
         what += ' (its checkpoints, state.safetensors, summary.csv)'
