@@ -269,6 +269,22 @@ def test_augmentation_that_cannot_apply_is_a_usage_error(argv, flag, message):
     assert e.value.flag == flag
 
 
+@pytest.mark.parametrize('argv, message', [
+    (['--no-aug', '--hflip', '0.5'], '--no-aug switches training augmentation off; --hflip would be unused'),
+    (['--no-aug', '--vflip', '0', '--reprob', '0'], '--vflip and --reprob would be unused'),
+    (['--remode', 'pixel'], '--remode sets the random erasing of --reprob, which is 0'),
+    (['--recount', '1'], '--recount sets the random erasing of --reprob, which is 0'),
+])
+def test_a_flag_given_at_its_default_value_is_refused_alike(argv, message):
+    """A flag given explicitly at its default value read as not given, so `--no-aug --hflip 0.5` silently dropped
+    the flip asked for, and `--remode pixel` without --reprob passed; the command line's flags are counted as
+    given whatever their value (in Python a config cannot tell, and compares with the defaults)."""
+    with pytest.raises(ConfigError, match=message):
+        train_cli.parse_config(argv)
+    assert train_cli.parse_config(['--no-aug']).no_aug and train_cli.parse_config(['--reprob', '0.2', '--remode',
+                                                                                   'pixel']).remode == 'pixel'
+
+
 def test_no_colour_jitter_beside_a_policy_is_no_contradiction():
     cfg = train_cli.parse_config(['--aa', 'rand-m9', '--color-jitter', '0'])
     assert (cfg.aa, cfg.color_jitter) == ('rand-m9', 0.0)

@@ -476,3 +476,15 @@ def test_a_resume_into_another_runs_folder_replaces_that_runs_records(tmp_path):
         {k: v for k, v in want.items() if k not in ('experiment', 'resume', 'command')}
     assert not (b / 'results.json').exists()
     assert (b / 'summary.csv').read_text() == (tmp_path / 'a' / 'summary.csv').read_text()
+
+
+def test_a_resume_into_its_own_folder_spelt_through_a_link_keeps_its_records(tmp_path):
+    """Its own folder reached through a symbolic link in the --resume path read as another folder, and the resume
+    removed the run's fgsm.json and results.json (which a resume without --fgsm never writes again)."""
+    real = tmp_path / 'real'
+    flags = TINY + ['--epochs', '1', '--output', str(real), '--experiment', 'a', '--fgsm', '0.01']
+    train_main(flags)
+    (tmp_path / 'link').symlink_to(real, target_is_directory=True)
+    before = {n: (real / 'a' / n).read_bytes() for n in ('fgsm.json', 'args.yaml')}
+    train_main(flags + ['--resume', str(tmp_path / 'link' / 'a' / 'state.safetensors')])  # no epoch left
+    assert {n: (real / 'a' / n).read_bytes() for n in ('fgsm.json', 'args.yaml')} == before

@@ -522,7 +522,8 @@ def test_train_args_that_a_phase_would_refuse_stop_before_anything_is_written(tm
 
 
 @pytest.mark.parametrize('marker, whose', [('search_state.safetensors', 'a search (search.py)'),
-                                           ('args.yaml', 'a training run (train.py)'), ('study.json', 'a study')])
+                                           ('args.yaml', 'a training run (train.py)'), ('study.json', 'a study'),
+                                           ('model.safetensors', 'a Hub export (hub export)')])
 def test_a_folder_of_another_commands_output_is_refused(tmp_path, capsys, monkeypatch, marker, whose):
     """The pipeline wrote its fixed-name files (masks.json, fitness.png, pairs.png, report.md) into any folder,
     replacing a search's table and plots, or a study's report. A root that holds another command's output is a

@@ -307,6 +307,19 @@ def test_a_device_or_callback_it_cannot_use_is_refused_before_anything_is_writte
     assert not out.exists()
 
 
+@pytest.mark.parametrize('marker', ['report.md', 'model.safetensors', 'args.yaml'])
+def test_a_search_into_another_commands_folder_is_refused(ckpt, tmp_path, marker):
+    """search.py replaced a pipeline's (or a Hub folder's) masks.json and plots without a word; such a folder is
+    a usage error before anything is written, as for the pipeline and the study."""
+    from test_resume_settings import snapshot
+    (tmp_path / marker).write_text('theirs')
+    (tmp_path / 'masks.json').write_text('their table')
+    before = snapshot(str(tmp_path))
+    with pytest.raises(SearchUsageError, match=f'cannot use {re.escape(str(tmp_path))}: it holds the output of '):
+        search(parse_config(['--checkpoint', ckpt, '--output', str(tmp_path)] + SMALL))
+    assert snapshot(str(tmp_path)) == before
+
+
 def test_mask_tables_compare_by_value(tmp_path):
     """The dataclass's own == asked a numpy mask for one truth value and raised (so did comparing two
     SearchResults); tables compare field by field, masks element by element."""

@@ -373,6 +373,25 @@ def test_unreadable_done_json_is_one_error_line(tmp_path, capsys, content, why, 
     assert sorted(os.listdir(out)) == ['base', study.STUDY_FILE]
 
 
+def test_list_and_report_read_the_budget_the_study_records(tmp_path, capsys):
+    """--report and --list compared the command line with study.json, so a study run with --quick (or --epochs 12)
+    refused both unless its flags were given again; without budget flags they read the recorded ones. Flags that
+    contradict the record are still refused."""
+    out = tmp_path / 'study'
+    out.mkdir()
+    (out / study.STUDY_FILE).write_text(json.dumps({'quick': True, 'settings': dict(study.QUICK, epochs=3)}))
+    _record(str(out), 'base/s0', method='base', seed=0, final_top1=10.0, best_top1=10.0,
+            rows=[{'epoch': 0, 'train_loss': 1.0, 'eval_loss': 1.0, 'eval_top1': 10.0}])
+    assert study.cli(['--output', str(out), '--list']) == 0
+    listed = capsys.readouterr().out
+    assert 'done  base/s0' in listed and 'random_pm/s0' in listed
+    assert study.cli(['--output', str(out), '--report']) == 0
+    assert (out / 'report.md').is_file()
+    capsys.readouterr()
+    assert study.cli(['--output', str(out), '--report', '--epochs', '4']) == 2
+    assert 'epochs' in capsys.readouterr().err
+
+
 def test_output_is_a_folder_and_report_reads_an_existing_study(tmp_path, capsys):
     """--output naming a file is a usage error; --report on a folder that holds no study.json is refused and
     writes nothing (no folder, no study.json)."""

@@ -30,7 +30,8 @@ class SettingsChangedError(ValueError):
 # is refused (their fixed-name files, masks.json, report.md..., would replace that command's)
 OUTPUT_MARKERS = {'state.safetensors': 'a training run (train.py)', 'args.yaml': 'a training run (train.py)',
                   'search_state.safetensors': 'a search (search.py)', 'logbook.csv': 'a search (search.py)',
-                  'study.json': 'a study', 'report.md': 'a pipeline or a study'}
+                  'study.json': 'a study', 'report.md': 'a pipeline or a study',
+                  'model.safetensors': 'a Hub export (hub export)'}
 
 
 def foreign_output(folder: str, own: Sequence[str] = ()) -> Optional[str]:

@@ -707,6 +707,14 @@ def main(argv=None, log=print) -> int:
         return 0
     record = os.path.join(args.output, STUDY_FILE)
     recorded = read_settings(record)
+    if (args.report or args.list) and recorded is not None and not args.quick and not overrides:
+        # the modes that only read take the study's budget from its record, so its flags need not be given again
+        try:
+            cfg, args.quick = dict(recorded['settings']), recorded['quick']
+            tasks = build_tasks(cfg)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SettingsChangedError(f'{record} does not record a study\'s settings ({type(e).__name__}: {e}); '
+                                       f'give the study\'s flags (--quick, --epochs...) with --report') from None
     if args.report and recorded is None:  # --report reads a study; it writes its report, not its settings
         parser.error(f'--report: {args.output} holds no study ({STUDY_FILE} is missing); give the --output of a '
                      f'study')

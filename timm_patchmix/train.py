@@ -334,7 +334,18 @@ def _config(ns: argparse.Namespace, argv: Optional[List[str]]) -> TrainConfig:
     flags['grid'] = flags.pop('patchmix_grid')
     words = list(argv) if argv is not None else sys.argv[1:]
     flags['command'] = shlex.join(['train.py'] + words)  # as a shell reads it back (--dataset '' included)
-    return TrainConfig(**flags).with_recipe()
+    cfg = TrainConfig(**flags).with_recipe()
+    cfg.check_flags_given(_given_dests(words))
+    return cfg
+
+
+def _given_dests(words: List[str]) -> set:
+    """The destinations the command line ``words`` sets, at any value (a default given explicitly included), as
+    the parser reads them: a parser whose options have no defaults leaves only those in its namespace."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(words)))
 
 
 # the keys of a config file that name no flag: what args.yaml records besides the flags (the command line, and what

@@ -12,7 +12,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..cli_types import (bounds_of, float_range, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                          probability, seed_int)
@@ -545,12 +545,8 @@ class TrainConfig:
             raise ConfigError(f'takes 0 (off) or a number of repeats from 1 to {MAX_AUG_REPEATS}, got '
                               f'{self.aug_repeats:g}', '--aug-repeats')
         given = self.augment_flags()
-        if self.no_aug and given:
-            raise ConfigError(f'--no-aug switches training augmentation off; {" and ".join(given)} would be unused. '
-                              f'Drop one or the other')
-        if self.reprob == 0 and (self.remode != Augment.remode or self.recount != Augment.recount):
-            flag = '--remode' if self.remode != Augment.remode else '--recount'
-            raise ConfigError(f'{flag} sets the random erasing of --reprob, which is 0; add --reprob P')
+        self._check_augment_given(given, [n for n in ('remode', 'recount')
+                                          if getattr(self, n) != getattr(Augment, n)])
         if self.color_jitter and self.aa is not None and '3a' not in self.aa:
             raise ConfigError(f'timm leaves colour jitter out beside an --aa policy other than 3a; --color-jitter '
                               f'{self.color_jitter:g} would be unused with --aa {self.aa}. Drop one or the other')
@@ -598,6 +594,24 @@ class TrainConfig:
                 flag = ' '.join(filter(None, (KWARG_FLAGS[key], _shown(value))))
                 raise ConfigError(f'{key}={self.model_kwargs[key]!r} differs from {flag}, which sets it too; give '
                                   f'it in one place', '--model-kwargs')
+
+    def _check_augment_given(self, given: Sequence[str], erasing: Sequence[str]) -> None:
+        """``--no-aug`` beside augmentation flags ``given``, and the random-erasing settings ``erasing`` (field
+        names) without ``--reprob``: a :class:`ConfigError` naming them."""
+        if self.no_aug and given:
+            raise ConfigError(f'--no-aug switches training augmentation off; {" and ".join(given)} would be unused. '
+                              f'Drop one or the other')
+        if self.reprob == 0 and erasing:
+            raise ConfigError(f'{_flag(erasing[0])} sets the random erasing of --reprob, which is 0; add --reprob P')
+
+    def check_flags_given(self, given: Collection[str]) -> None:
+        """The refusals above for flags a command line gave at their default values, which the config alone cannot
+        tell from flags not given (``--no-aug --hflip 0.5`` would drop the flip asked for): ``given``, the field
+        names the command line set."""
+        aug = [f.name for f in dataclasses.fields(Augment) if f.name not in ('no_aug', 'remode', 'recount')]
+        self._check_augment_given(tuple(dict.fromkeys(list(self.augment_flags())
+                                                      + [_flag(n) for n in aug if n in given])),
+                                  [n for n in ('remode', 'recount') if n in given])
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""

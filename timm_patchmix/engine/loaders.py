@@ -116,8 +116,8 @@ def _check_disjoint(cfg: TrainConfig, train, other, role: str) -> None:
         raise DatasetError(
             f'the {role} split {cfg.val_split!r} of {cfg.data_dir or cfg.dataset} shares {n} image files with the '
             f'training split {cfg.train_split!r} (a folder without a subfolder for each split is read whole for '
-            f'both): give it a train/ and a validation/ subfolder, name them with --train-split/--val-split'
-            + (', or hold out part of the training images with --holdout F' if not cfg.holdout else ''))
+            f'both): give it a train/ and a validation/ subfolder, or name them with --train-split/--val-split '
+            f'(--holdout does not help: the test split would still score training images)')
 
 
 def resolve_data(cfg: TrainConfig, model, verbose: bool = False) -> DataConfig:

@@ -397,8 +397,9 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
     restored (the best epoch's weights, in neither folder), decided before anything is written: with
     ``stop_if_lost`` nothing is then written at all."""
     from ..checkpoint import atomic_copy, save_weights
-    source = os.path.dirname(os.path.abspath(resume))
-    same = os.path.abspath(out_dir) == source
+    # the run's own folder however it is spelt (a link in the path resolved; the state file itself is not followed)
+    source = os.path.realpath(os.path.dirname(os.path.abspath(resume)))
+    same = os.path.realpath(out_dir) == source
     epoch = start.start_epoch - 1
     weights = start.ema_state if start.ema_state is not None else start.model_state
 

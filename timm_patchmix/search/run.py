@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..locking import folder_problem, hold_folder
+from ..settings import foreign_output
 from .config import SearchConfig, SearchResult, kept_genes, score_words
 from .core import GenerationCallback, Search, SearchError, search_device
 from .inputs import SearchUsageError
@@ -53,6 +54,9 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
         raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue it, '
                                f'or start afresh in another --output (or delete that folder first)')
     search_device(cfg)  # (a device it cannot run on: before the folder is made)
+    foreign = foreign_output(cfg.output, own=('search_state.safetensors', 'logbook.csv'))
+    if foreign:  # (its masks.json and plots would replace a pipeline's, a Hub folder's...)
+        raise SearchUsageError(foreign)
     problem = folder_problem(cfg.output)  # (on every process, before the model and the images are loaded)
     if problem:  # (worded as hold_folder words it, "it" where the folder itself is at fault)
         where, what = problem
