@@ -307,7 +307,7 @@ def test_a_device_or_callback_it_cannot_use_is_refused_before_anything_is_writte
     assert not out.exists()
 
 
-@pytest.mark.parametrize('marker', ['report.md', 'model.safetensors', 'args.yaml'])
+@pytest.mark.parametrize('marker', ['report.md', 'model.safetensors', 'study.json'])
 def test_a_search_into_another_commands_folder_is_refused(ckpt, tmp_path, marker):
     """search.py replaced a pipeline's (or a Hub folder's) masks.json and plots without a word; such a folder is
     a usage error before anything is written, as for the pipeline and the study."""

@@ -54,8 +54,11 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
         raise SearchUsageError(f'{cfg.output} holds a search already ({state_path}); give --resume to continue it, '
                                f'or start afresh in another --output (or delete that folder first)')
     search_device(cfg)  # (a device it cannot run on: before the folder is made)
-    foreign = foreign_output(cfg.output, own=('search_state.safetensors', 'logbook.csv'))
-    if foreign:  # (its masks.json and plots would replace a pipeline's, a Hub folder's...)
+    # (its masks.json and plots would replace a pipeline's, a study's, a Hub folder's; a training run's folder
+    # holds none of them, and a search may write beside the run it scores)
+    foreign = foreign_output(cfg.output, own=('search_state.safetensors', 'logbook.csv', 'args.yaml',
+                                              'state.safetensors'))
+    if foreign:
         raise SearchUsageError(foreign)
     problem = folder_problem(cfg.output)  # (on every process, before the model and the images are loaded)
     if problem:  # (worded as hold_folder words it, "it" where the folder itself is at fault)
