@@ -457,16 +457,17 @@ def test_sklearn_digits_evaluation_names_open_one_split():
 
 def test_a_resume_into_another_runs_folder_replaces_that_runs_records(tmp_path):
     """Resuming run a's state under --experiment b, a folder holding run b's files, copied a's state and weights in
-    and kept b's args.yaml and results.json (b's --holdout and test numbers, which a model card would then describe
-    for a's model): for the whole first epoch, and for good when no epoch was left. The folder's records are a's
-    now; numbers a's run has not produced are not there."""
+    and kept b's args.yaml, results.json and --checkpoint-hist files (b's --holdout and test numbers, which a model
+    card would then describe for a's model): for the whole first epoch, and for good when no epoch was left. The
+    folder's records are a's now; numbers a's run has not produced are not there."""
     import yaml
     a_flags = TINY + ['--epochs', '1', '--output', str(tmp_path)]
     train_main(a_flags + ['--experiment', 'a'])
     train_main(TINY + ['--epochs', '1', '--output', str(tmp_path), '--experiment', 'b', '--holdout', '0.25',
-                       '--test-subset', '16', '--seed', '5'])
+                       '--test-subset', '16', '--seed', '5', '--checkpoint-hist', '2'])
     b = tmp_path / 'b'
     assert (b / 'results.json').is_file() and yaml.safe_load((b / 'args.yaml').read_text())['seed'] == 5
+    assert (b / 'checkpoint-0.safetensors').is_file()
     state = str(tmp_path / 'a' / 'state.safetensors')
     train_main(a_flags + ['--experiment', 'b', '--resume', state])  # no epoch left to train
     assert (b / 'state.safetensors').read_bytes() == (tmp_path / 'a' / 'state.safetensors').read_bytes()
@@ -474,7 +475,7 @@ def test_a_resume_into_another_runs_folder_replaces_that_runs_records(tmp_path):
     assert got['seed'] == want['seed'] == 42 and got['holdout'] == want['holdout'] == 0.0
     assert {k: v for k, v in got.items() if k not in ('experiment', 'resume', 'command')} == \
         {k: v for k, v in want.items() if k not in ('experiment', 'resume', 'command')}
-    assert not (b / 'results.json').exists()
+    assert not (b / 'results.json').exists() and not (b / 'checkpoint-0.safetensors').exists()  # (b's history)
     assert (b / 'summary.csv').read_text() == (tmp_path / 'a' / 'summary.csv').read_text()
 
 

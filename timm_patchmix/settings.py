@@ -26,8 +26,9 @@ class SettingsChangedError(ValueError):
     """A resume or rerun asks for other settings than those its existing files were made with."""
 
 
-# files that mark a folder as another command's output: a root folder of the pipeline or the study that holds one
-# is refused (their fixed-name files, masks.json, report.md..., would replace that command's)
+# files that mark a folder as another command's output: a root folder of the pipeline, the study or a search that
+# holds one is refused (their fixed-name files, masks.json, report.md..., would replace that command's or mix with
+# them)
 OUTPUT_MARKERS = {'state.safetensors': 'a training run (train.py)', 'args.yaml': 'a training run (train.py)',
                   'search_state.safetensors': 'a search (search.py)', 'logbook.csv': 'a search (search.py)',
                   'study.json': 'a study', 'report.md': 'a pipeline or a study',
@@ -40,8 +41,8 @@ def foreign_output(folder: str, own: Sequence[str] = ()) -> Optional[str]:
     found = [n for n in OUTPUT_MARKERS if n not in own and os.path.isfile(os.path.join(folder, n))]
     if not found:
         return None
-    return (f'cannot use {folder}: it holds the output of {OUTPUT_MARKERS[found[0]]} ({found[0]}), whose files this '
-            f'would replace. Choose another --output (or delete {folder} first).')
+    return (f'cannot use {folder}: it holds the output of {OUTPUT_MARKERS[found[0]]} ({found[0]}), which this '
+            f'command\'s files would mix with or replace. Choose another --output (or delete {folder} first).')
 
 
 def file_record(path: str) -> Dict[str, str]:

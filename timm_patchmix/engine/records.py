@@ -437,12 +437,14 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
         return lost
     if not same:  # the state itself, so that the new folder resumes (a finished run's saves no epoch there)
         atomic_copy(resume, os.path.join(out_dir, 'state.safetensors'))
-        # the folder's records of another run (its settings, its end-of-run numbers) would pass for this one's
-        # beside the state and weights copied in: removed, and args.yaml written anew (write_start)
+        # the folder's records of another run (its settings, its end-of-run numbers, its --checkpoint-hist files)
+        # would pass for this one's beside the state and weights copied in: removed, and args.yaml written anew
+        # (write_start)
         for name in ENDED_FILES + ('args.yaml',):
             path = os.path.join(out_dir, name)
             if os.path.isfile(path):
                 os.remove(path)
+        prune_history(out_dir, start.checkpoints)  # (that run's checkpoint-<epoch> files; the state's come next)
     for name, how in plan:
         if how == 'write':
             save_weights(os.path.join(out_dir, name), weights, own)
