@@ -222,6 +222,20 @@ def test_features_only_is_the_backbones_feature_extractor(arch, kwargs, size, ex
     assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
 
 
+@pytest.mark.parametrize('bad, match', [(dict(grid=0), '^grid must be at least 1x1'),
+                                        (dict(grid='4'), '^grid must be an int'),
+                                        (dict(per_position='no'), "^per_position must be True or False, got 'no'")])
+@pytest.mark.parametrize('pretrained', [False, True])
+def test_features_only_checks_the_patch_head_arguments(bad, match, pretrained):
+    """``features_only`` drops ``grid``/``per_position`` (they shape only the patch head), but a bad value is still
+    refused as it is for the whole model, not ignored."""
+    name = GPM if pretrained else 'patchhead_resnet8_cifar'
+    with pytest.raises(ValueError, match=match):
+        timm.create_model(name, pretrained=pretrained, features_only=True, **bad)
+    feat = timm.create_model(name, pretrained=pretrained, features_only=True, grid=(2, 3), per_position=False)
+    assert feat.feature_info.channels()  # good values are still accepted and dropped
+
+
 def test_features_only_from_patchhead_weights_holds_their_trunk():
     m = timm.create_model(GPM, pretrained=True).eval()
     feat = timm.create_model(GPM, pretrained=True, features_only=True, out_indices=(1, 2, 3)).eval()

@@ -26,7 +26,8 @@ from safetensors import SafetensorError
 from timm.models import PretrainedCfg, generate_default_cfgs, get_arch_pretrained_cfgs, get_pretrained_cfg
 from timm.models import register_model
 
-from .patchhead import PREFIX, PatchHeadModel, create_patchhead
+from ..grid import to_grid
+from .patchhead import PREFIX, PatchHeadModel, check_per_position, create_patchhead
 from .pretrained import PATCHHEAD_PRETRAINED, UNPUBLISHED, pretrained_cfgs
 
 __all__ = ['register_patchhead_models', 'load_patchhead_weights', 'default_cfgs', 'PatchheadWeightsError']
@@ -170,6 +171,11 @@ def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: b
     """The backbone's timm feature extractor; with the patchhead weights' trunk when those are selected."""
     # the patch head's own arguments (a Hub folder's model_args carry them) belong to the whole model only
     head_args = {k: kwargs.pop(k) for k in ('grid', 'per_position') if k in kwargs}
+    # ... but a bad value is still the caller's mistake, named as it would be for the whole model
+    if 'grid' in head_args:
+        to_grid(head_args['grid'])
+    if 'per_position' in head_args:
+        check_per_position(head_args['per_position'])
     if own is None or not pretrained:
         if own is not None:  # the architecture's own cfg, no weights: the plain backbone's cfg
             pretrained_cfg = overlay = None
