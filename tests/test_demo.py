@@ -116,6 +116,67 @@ def test_guided_samples_take_a_class_the_validation_split_lacks_from_the_trainin
     assert os.path.getsize(tmp_path / 'g.png') > 0
 
 
+def _two_class_folder(root, sizes):
+    """An image folder with a train and a validation split of classes ``a`` (red) and ``b`` (green), one image each,
+    of ``sizes[c]`` (width, height)."""
+    from PIL import Image
+    colour = {'a': (200, 0, 0), 'b': (0, 200, 0)}
+    for split in ('train', 'validation'):
+        for c in 'ab':
+            os.makedirs(root / split / c)
+            Image.new('RGB', sizes[c], colour[c]).save(root / split / c / '0.png')
+    return colour
+
+
+def _two_class_table(path):
+    import numpy as np
+    from timm_patchmix.table import MaskTable, dataset_fingerprint
+    MaskTable((2, 2), 2, ['a', 'b'], dataset_fingerprint('', ['a', 'b']), [(0, 1)],
+              [np.array([[True, False], [False, True]])], [0.5], 0.5).save(str(path))
+
+
+def test_guided_samples_of_images_of_several_sizes_are_drawn_at_the_input_size(tmp_path, monkeypatch):
+    """An image folder's images differ in size: with a checkpoint's data config they are drawn as evaluation makes
+    them (a stack of the raw images failed with a RuntimeError before, so the pipeline's guided phase could never
+    run on such a folder); without one it is a ValueError naming the sizes, and nothing is written."""
+    import pytest
+    import torch
+    from timm_patchmix import viz
+    colour = _two_class_folder(tmp_path / 'data', {'a': (12, 8), 'b': (10, 10)})
+    _two_class_table(tmp_path / 'masks.json')
+    out = tmp_path / 'g.png'
+    with pytest.raises(ValueError, match=r'^render_guided_samples: the images drawn are of 2 sizes \(8x12, 10x10\)'):
+        viz.render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(out), n=1)
+    assert not out.exists()
+    drawn = []
+    real = viz.render_grid
+    monkeypatch.setattr(viz, 'render_grid', lambda images, partners, mixed, *a, **k: (
+        drawn.append((images, partners, mixed)), real(images, partners, mixed, *a, **k))[1])
+    viz.render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(out), n=1,
+                              data_config={'input_size': (3, 6, 6), 'interpolation': 'bilinear', 'crop_pct': 1.0})
+    images, partners, mixed = drawn[0]
+    red, green = (torch.tensor(colour[c], dtype=torch.uint8).view(3, 1, 1).expand(3, 6, 6) for c in 'ab')
+    assert torch.equal(images[0], red) and torch.equal(partners[0], green)
+    keep = torch.tensor([[1, 1, 1, 0, 0, 0]] * 3 + [[0, 0, 0, 1, 1, 1]] * 3, dtype=torch.bool)  # the mask's cells
+    assert torch.equal(mixed[0], torch.where(keep, red, green))
+    assert out.stat().st_size > 0
+
+
+def test_guided_samples_refuse_an_image_file_that_cannot_be_read(tmp_path):
+    """timm's image dataset answers a file it cannot open with the next item, of another class: the picture would
+    caption a class-b image as class a. It is a ValueError naming the file, and nothing is written."""
+    import pytest
+    from timm_patchmix.viz import render_guided_samples
+    _two_class_folder(tmp_path / 'data', {'a': (8, 8), 'b': (8, 8)})
+    bad = tmp_path / 'data' / 'validation' / 'a' / '0.png'
+    bad.write_text('not an image')
+    _two_class_table(tmp_path / 'masks.json')
+    with pytest.raises(ValueError, match=r'^render_guided_samples: .*validation/a/0\.png \(class 0\) could not be '
+                                         r'read as an image'):
+        render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(tmp_path / 'g.png'), n=1)
+    assert not (tmp_path / 'g.png').exists()
+
+
 def test_a_number_of_samples_no_picture_holds_is_a_usage_error(tmp_path, capsys):
     """--num 100000 built every image at once and was killed for memory (22 GB); it now exits 2 naming the bound
     before anything is built or written."""

@@ -137,6 +137,19 @@ def _fake_runs(values):
             for m, vs in values.items() for i, v in enumerate(vs)]
 
 
+def test_too_few_held_out_images_for_the_search_name_the_pipelines_remedy(tmp_path):
+    """The search's message for a class with fewer held-out images than K needs offered `--k` and "a larger
+    validation split", which the pipeline does not take, and named the class by its index; it names the class and
+    the pipeline's own flag now, and f_T's finished phase stays for a rerun."""
+    from timm_patchmix.search import SearchError
+    out = str(tmp_path / 'pipe')
+    with pytest.raises(SearchError, match=r"^class '\w+' has [0-3] held-out images, fewer than the 4 that the smoke "
+                                          r"budget's search \(K=4\) needs: give it more with a larger --holdout "
+                                          r"\(now 0\.004; in a new --output"):
+        pipeline_main(['--output', out, '--methods', 'random_pm', 'guided_pm', '--holdout', '0.004'] + TINY_TRAIN)
+    assert os.path.isfile(os.path.join(out, 'seed0', 'random_pm', 'done.json'))
+
+
 def test_report_says_when_the_spread_exceeds_the_gaps(tmp_path):
     """With three seeds at the small budget, methods far apart can be ranked; two methods closer than their spread
     across seeds are named, and the report says the budget is too small to rank them."""

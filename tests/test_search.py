@@ -471,7 +471,9 @@ def test_errors(ckpt, tmp_path):
     err(['--grid', '2'], r'--grid 2x2 differs from the 4x4 grid')
     err(['--num-classes', '7'], '--num-classes 7 differs from the 10 classes')
     err(['--n-active', '46'], 'N=46 active pairs, but 10 classes have only 45 pairs')
-    err(['--k', '31'], 'fewer than the 31 that K=31 needs')
+    # named by the class's name and the split the genes are scored on, with what gives more images
+    err(['--k', '31'], r"class '\w+' has \d+ images in split 'validation', fewer than the 31 that K=31 needs; lower "
+                       r"--k or score the genes on a larger split \(--val-split\)")
     # a dataset of other classes: named as the model's, not as a training split's
     err(['--dataset', 'sklearn_digits'],
         r"sklearn_digits has the classes \['0', .*; the model in .*ft\.safetensors has \['disc', .*are not among them")
@@ -589,3 +591,31 @@ def test_a_two_class_search_runs_with_the_default_number_of_active_pairs():
     one_space, one = tiny_scorer(classes=1)
     with pytest.raises(SearchError, match='1 class has no pair of classes to search masks for'):
         Search(one_space, 4, one, Evolution(population=4, generations=1, patience=0, seed=0))
+
+
+def test_the_scored_images_come_with_the_labels_the_genes_are_scored_against(tmp_path):
+    """The search reads labels from the image folder's file list and took only the image of each item; timm's image
+    dataset answers a file it cannot open with the next item, so another class's image was scored under this
+    file's label, silently. It is a SearchError naming the file; readable files give their own pixels."""
+    from PIL import Image
+    from timm_patchmix.data import build_dataset, view_labels
+    from timm_patchmix.search.inputs import ValidationData
+    for c, colour in (('a', (200, 0, 0)), ('b', (0, 200, 0))):
+        os.makedirs(tmp_path / 'data' / 'validation' / c)
+        for i in range(2):
+            Image.new('RGB', (4, 4), colour).save(tmp_path / 'data' / 'validation' / c / f'{i}.png')
+    meta = {'input_size': (3, 4, 4), 'mean': (0.0,) * 3, 'std': (1.0,) * 3, 'interpolation': 'bilinear',
+            'crop_pct': 1.0}
+
+    def scored():
+        ds = build_dataset('', str(tmp_path / 'data'), 'validation')
+        return ValidationData('', str(tmp_path / 'data'), 'validation', ['a', 'b'], np.array(view_labels(ds)), ds,
+                              meta)
+    x = scored().images('cpu')
+    assert torch.equal(x[:, 0, 0, 0], torch.tensor([200, 200, 0, 0]) / 255)  # a, a, b, b
+    (tmp_path / 'data' / 'validation' / 'a' / '1.png').write_text('not an image')
+    data = scored()
+    assert data.labels.tolist() == [0, 0, 1, 1]
+    with pytest.raises(SearchError, match=r"^the validation images of .*data: .*validation/a/1\.png \(class 0\) could "
+                                          r"not be read as an image: the dataset gave another class's image \(1\)"):
+        data.images('cpu')

@@ -330,6 +330,20 @@ def view_labels(ds: 'PILView') -> List[int]:
     return [int(targets[q]) for q in ds.indices]
 
 
+def labelled_image(ds: 'PILView', pos: int, label: int):
+    """The image of item ``pos`` of ``ds``, checked to come with ``label`` (its label as :func:`view_labels` read
+    it). timm's image dataset answers a file it cannot open with the next item, image and label both, so code that
+    takes labels from :func:`view_labels` and images from the items would pair one class's label with another's
+    image: that is a :class:`DatasetError` naming the file."""
+    img, target = ds[pos]
+    if int(target) != int(label):
+        files = _image_files(ds.base)
+        name = files[ds.indices[pos]] if files is not None else f'item {ds.indices[pos]}'
+        raise DatasetError(f'{name} (class {label}) could not be read as an image: the dataset gave another '
+                           f'class\'s image ({target}) in its place. Remove or replace the file')
+    return img
+
+
 def open_dataset(name: str, root: str = '', split: str = 'train', download: bool = False,
                  class_names: Optional[Sequence[str]] = None,
                  classes_of: str = 'the training split') -> Tuple[Dataset, list]:

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import WriteError, atomic_write_bytes, atomic_write_text
+from .checkpoint import WriteError, atomic_write_bytes, atomic_write_text, read_meta
 from .children import child_command, cores, follow_parent, run_children
 from .cli_types import backbone_name, directory, fraction, nonneg_int, optional_directory, positive_int, seed_int
 from .locking import FolderBusyError, hold_folder
@@ -200,6 +200,13 @@ def _ft_checkpoint(folder: str) -> str:
     """f_T's weights, as the search reads them: ``best.safetensors`` in the ``random_pm`` phase folder that trained
     them (the folder itself, not the path its ``done.json`` recorded, so a study moved elsewhere still finds them)."""
     return os.path.join(folder, 'best.safetensors')
+
+
+def _ft_data_config(args, seed: int) -> Optional[Dict[str, Any]]:
+    """How evaluation made f_T's images (its checkpoint's ``data`` record), for drawing the guided samples at the
+    model's input size; None where the record lacks the input size."""
+    data = read_meta(_ft_checkpoint(_phase_folder(args, seed, 'random_pm'))).get('data') or {}
+    return data if isinstance(data, dict) and data.get('input_size') else None
 
 
 def _search_table(folder: str) -> str:
@@ -378,7 +385,7 @@ def run_record(name: str, seed: int, folder: str, res) -> Dict[str, Any]:
 
 
 def _search(args, seed: int, checkpoint: str) -> str:
-    from .search import parse_config, search
+    from .search import SearchError, TooFewScoredImagesError, parse_config, search
     folder = _phase_folder(args, seed, 'search')
     table = _search_table(folder)
     _begin_phase(args, folder, _phase_settings(args, seed, {'f_T': file_record(checkpoint)}))
@@ -392,7 +399,14 @@ def _search(args, seed: int, checkpoint: str) -> str:
     if os.path.isfile(os.path.join(folder, 'search_state.safetensors')):
         flags.append('--resume')
     print(f'[seed {seed}] searching class pairs and masks', flush=True)
-    result = search(parse_config(flags))
+    try:
+        result = search(parse_config(flags))
+    except TooFewScoredImagesError as e:  # the search's remedies are flags the pipeline sets itself
+        more = (f'a larger --holdout (now {_holdout(args)}; in a new --output, since f_T trains on the images not '
+                f'held out)' if _holdout(args) else 'a larger validation split')
+        raise SearchError(f'class {e.class_name!r} has {e.have} {"held-out" if _holdout(args) else "validation"} '
+                          f'images, fewer than the {e.need} that the {args.budget} budget\'s search (K={e.k}) '
+                          f'needs: give it more with {more}, or add images of that class') from None
     print(f'best fitness {result.best_fitness:.4f} with {len(result.table.pairs)} pairs; wrote {result.table_path}',
           flush=True)
     _mark(folder, {'table': table})
@@ -778,7 +792,8 @@ def run_phase(args, seed: int, name: str, trainer: Optional[_Trainer] = None):
     search_args = _finished_table(table, seed).search_args
     samples = os.path.join(os.path.dirname(table), 'guided_samples.png')
     if not os.path.isfile(samples):
-        render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed)
+        render_guided_samples(table, args.dataset, args.data_dir, samples, seed=seed,
+                              data_config=_ft_data_config(args, seed))
     scored = {'search_scored_on': search_args.get('scored_on')}  # which images the search scored, for the report
     return _train(args, seed, 'guided_pm', method_flags(args, 'guided_pm', table), guided, trainer=trainer,
                   extra=scored)

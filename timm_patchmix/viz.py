@@ -175,13 +175,17 @@ def _positions_by_class(ds) -> Dict[int, List[int]]:
     return by_class
 
 
-def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: str, n: int = 8, seed: int = 0
-                          ) -> None:
+def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: str, n: int = 8, seed: int = 0,
+                          data_config: Optional[Dict[str, Any]] = None) -> None:
     """A PNG of guided samples: for the table's first ``n`` pairs, a validation image of each class (a training
     image for a class the validation split lacks), their mix under the pair's mask (the first class's image kept
-    where the mask is white), and the lambda-weighted label."""
+    where the mask is white), and the lambda-weighted label.
+
+    ``data_config`` (a checkpoint's ``data`` record: ``input_size``, ``interpolation``, ``crop_pct``) makes the
+    images as evaluation makes the model's (resized and centre-cropped to ``input_size``), which an image folder of
+    images of several sizes needs; without it the images are drawn as stored, and must share one size."""
     from torchvision.transforms.functional import pil_to_tensor
-    from .data import build_dataset
+    from .data import DatasetError, build_dataset, labelled_image, pixel_transform
     from .mix import PatchMix, PatchMixParams, split_target
     from .table import MaskTable, dataset_fingerprint
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -210,11 +214,29 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
         raise ValueError(f'render_guided_samples: the table pairs class(es) {named}, which neither the validation '
                          f'nor the training split of {dataset or data_dir or "patchshapes"!r} has an image of')
 
+    sized = None
+    if data_config is not None:
+        _, h, w = data_config['input_size']
+        sized = pixel_transform(3, int(h), int(w), data_config.get('interpolation') or 'bilinear',
+                                data_config.get('crop_pct'))
+
     def image_of(c):
         source, by_class = next((d, b) for d, b in sources if c in b)
         pos = by_class[c][int(torch.randint(len(by_class[c]), (1,), generator=gen))]
-        return pil_to_tensor(source[pos][0].convert('RGB'))
-    x = torch.stack([image_of(a) for a, _ in pairs] + [image_of(b) for _, b in pairs])
+        img = labelled_image(source, pos, c).convert('RGB')  # the image of the class the caption names
+        if sized is None:
+            return pil_to_tensor(img)
+        return (sized(img) * 255).round().clamp(0, 255).to(torch.uint8)
+    try:
+        picked = [image_of(a) for a, _ in pairs] + [image_of(b) for _, b in pairs]
+    except DatasetError as e:
+        raise ValueError(f'render_guided_samples: {e}') from None
+    sizes = sorted({tuple(t.shape[1:]) for t in picked})
+    if len(sizes) > 1:
+        raise ValueError(f'render_guided_samples: the images drawn are of {len(sizes)} sizes ('
+                         f'{", ".join(f"{a}x{b}" for a, b in sizes)}); pass data_config (a checkpoint\'s data '
+                         f'record, with input_size) to draw them at one size')
+    x = torch.stack(picked)
     y = torch.tensor([a for a, _ in pairs] + [b for _, b in pairs])
     masks = torch.stack([torch.as_tensor(np.asarray(table.masks[k], dtype=bool)) for k in range(m)])
     params = PatchMixParams(torch.cat([torch.arange(m, 2 * m), torch.arange(m, 2 * m)]),

@@ -11,13 +11,13 @@ space, a grid, a gene scorer and :class:`Evolution` settings (no I/O), or from f
 from .command import build_parser, cli, config_from_args, main, parse_config
 from .config import Evolution, SearchConfig, SearchResult
 from .core import GenerationCallback, Search, SearchError
-from .inputs import HOLDOUT, SearchUsageError
+from .inputs import HOLDOUT, SearchUsageError, TooFewScoredImagesError
 from .fitness import GeneScorer, aggregate, cell_mask_to_pixels, draw_image_pairs
 from .genome import Individual, MaskOps, Operators, PairSpace, bits_to_grid, grid_to_bits
 from .run import search
 
 __all__ = ['search', 'SearchConfig', 'SearchResult', 'Evolution', 'Search', 'SearchError', 'SearchUsageError',
-           'HOLDOUT', 'GenerationCallback',
+           'TooFewScoredImagesError', 'HOLDOUT', 'GenerationCallback',
            'cli', 'main', 'build_parser', 'parse_config', 'config_from_args',
            'GeneScorer', 'aggregate', 'cell_mask_to_pixels', 'draw_image_pairs', 'Individual', 'MaskOps',
            'Operators', 'PairSpace', 'bits_to_grid', 'grid_to_bits']

@@ -24,9 +24,9 @@ from ..grid import GridSpec, bits_to_mask, to_grid
 from ..settings import check_settings
 from ..table import MaskTable, dataset_fingerprint
 from .config import Evolution, SearchConfig
-from .fitness import GeneScorer, aggregate, draw_image_pairs
+from .fitness import GeneScorer, TooFewImagesError, aggregate, draw_image_pairs
 from .genome import Individual, MaskOps, Operators, PairSpace, fitness_class, same_phenotype
-from .inputs import SearchError, load_model, load_validation, resume_settings
+from .inputs import SearchError, load_model, load_validation, resume_settings, too_few_images
 from .state import check_search_meta, check_search_tensors, pack_individuals, unpack_individuals
 
 __all__ = ['Search', 'SearchError', 'GenerationCallback']
@@ -129,8 +129,8 @@ class Search:
         space = PairSpace(data.num_classes, cfg.same_class_pairs)
         try:
             a_idx, b_idx = draw_image_pairs(data.labels, space.pairs, cfg.k, cfg.seed)
-        except ValueError as e:
-            raise SearchError(str(e)) from None
+        except TooFewImagesError as e:
+            raise too_few_images(e, data) from None
         model = model.to(device).eval()
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)

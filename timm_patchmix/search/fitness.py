@@ -20,18 +20,27 @@ import torch.nn.functional as F
 from ..grid import bits_to_mask, cell_mask_to_pixels
 from ..mix import mix_cells_, mix_select_
 
-__all__ = ['GeneScorer', 'draw_image_pairs', 'cell_mask_to_pixels']
+__all__ = ['GeneScorer', 'TooFewImagesError', 'draw_image_pairs', 'cell_mask_to_pixels']
+
+
+class TooFewImagesError(ValueError):
+    """A class with fewer images than K image pairs need: ``label`` has ``have`` images, ``need`` are needed."""
+
+    def __init__(self, label: int, have: int, need: int, k: int):
+        self.label, self.have, self.need, self.k = int(label), int(have), int(need), int(k)
+        super().__init__(f'class {label} has {have} validation images, fewer than the {need} that K={k} needs; '
+                         f'lower --k or use a larger validation split')
 
 
 def draw_image_pairs(labels: np.ndarray, pairs: np.ndarray, k: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-    """For each pair ``(c_i, c_j)``: K distinct images of c_i and K distinct of c_j (2K distinct when i == j)."""
+    """For each pair ``(c_i, c_j)``: K distinct images of c_i and K distinct of c_j (2K distinct when i == j);
+    :class:`TooFewImagesError` for a class with fewer."""
     rng = np.random.default_rng(seed)
     by_class = {c: np.flatnonzero(labels == c) for c in np.unique(pairs)}
     for c, idx in by_class.items():
         need = 2 * k if any(i == j == c for i, j in pairs) else k
         if len(idx) < need:
-            raise ValueError(f'class {c} has {len(idx)} validation images, fewer than the {need} that K={k} needs; '
-                             f'lower --k or use a larger validation split')
+            raise TooFewImagesError(c, len(idx), need, k)
     a = np.empty((len(pairs), k), dtype=np.int64)
     b = np.empty((len(pairs), k), dtype=np.int64)
     for p, (i, j) in enumerate(pairs):

@@ -24,10 +24,11 @@ import torch
 from ..holdout import index_hash
 from ..settings import file_record
 from .config import SearchConfig
+from .fitness import TooFewImagesError
 from .genome import MaskOps
 
-__all__ = ['SearchError', 'SearchUsageError', 'HOLDOUT', 'ValidationData', 'load_model', 'load_validation',
-           'resume_settings']
+__all__ = ['SearchError', 'SearchUsageError', 'TooFewScoredImagesError', 'HOLDOUT', 'ValidationData', 'load_model',
+           'load_validation', 'resume_settings', 'too_few_images']
 
 _logger = logging.getLogger(__name__)
 
@@ -37,6 +38,15 @@ HOLDOUT = 'holdout'  # --val-split: the held-out images of the checkpoint's trai
 class SearchError(ValueError):
     """A search that cannot start or resume: inputs that do not fit each other or the settings, or a state file
     that cannot be used."""
+
+
+class TooFewScoredImagesError(SearchError):
+    """A class of the split the genes are scored on with fewer images than K image pairs need: the class's name,
+    the images it has and needs, K, and the split (``'holdout'`` for f_T's held-out images)."""
+
+    def __init__(self, message: str, class_name: str, have: int, need: int, k: int, split: str):
+        super().__init__(message)
+        self.class_name, self.have, self.need, self.k, self.split = class_name, have, need, k, split
 
 
 class SearchUsageError(SearchError):
@@ -103,15 +113,32 @@ class ValidationData:
     def images(self, device) -> torch.Tensor:
         """Every image, normalised as f_T was trained, ``[N, C, H, W]`` on ``device``."""
         from timm.data.loader import adapt_to_chs
-        from ..data import pixel_transform
+        from ..data import DatasetError, labelled_image, pixel_transform
         c = self.data_meta['input_size'][0]
         mean = torch.tensor(adapt_to_chs(self.data_meta['mean'], c))
         std = torch.tensor(adapt_to_chs(self.data_meta['std'], c))
         self.ds.transform = pixel_transform(*self.data_meta['input_size'],  # as validation made them
                                             self.data_meta['interpolation'], self.data_meta['crop_pct'])
-        x = torch.stack([self.ds[i][0] for i in range(len(self.ds))])
+        try:  # each image with the label the genes are scored against
+            x = torch.stack([labelled_image(self.ds, i, self.labels[i]) for i in range(len(self.ds))])
+        except DatasetError as e:
+            raise SearchError(f'the {self.split} images of {self.dataset or self.data_dir or "patchshapes"}: {e}') \
+                from None
         x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
         return x.to(device)
+
+
+def too_few_images(e: TooFewImagesError, data: ValidationData) -> TooFewScoredImagesError:
+    """:func:`~timm_patchmix.search.fitness.draw_image_pairs`' error for the images of ``data``, in words: the
+    class's name, which images those are, and what gives more."""
+    name = data.class_names[e.label] if 0 <= e.label < len(data.class_names) else str(e.label)
+    held = data.split == HOLDOUT
+    what = "held-out images of f_T's training split" if held else f'images in split {data.split!r}'
+    more = 'train f_T with a larger --holdout' if held else 'score the genes on a larger split (--val-split)'
+    same = ' (2K: the class is paired with itself)' if e.need > e.k else ''
+    return TooFewScoredImagesError(
+        f'class {name!r} has {e.have} {what}, fewer than the {e.need} that K={e.k} needs{same}; lower --k or '
+        f'{more}', name, e.have, e.need, e.k, data.split)
 
 
 def _same_split(data_dir: str, a: str, b: str) -> bool:
