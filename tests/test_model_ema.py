@@ -80,6 +80,8 @@ def test_a_run_evaluates_selects_and_saves_the_average(tmp_path):
 
 @pytest.mark.parametrize('flags, message', [
     (['--model-ema-decay', '0.5'], '--model-ema-decay sets the weight average of --model-ema, which is off'),
+    # at its default value too: given on the command line, it asks for an average that would not be kept
+    (['--model-ema-decay', '0.9998'], '--model-ema-decay sets the weight average of --model-ema, which is off'),
     (['--model-ema-warmup'], '--model-ema-warmup sets the weight average of --model-ema, which is off'),
     (['--model-ema', '--model-ema-decay', '1.0'], 'argument --model-ema-decay: must be a finite number in [0, 1)'),
 ])
@@ -89,3 +91,4 @@ def test_usage_errors(flags, message, capsys):
         resolve_args(flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert parse_config(['--model-ema', '--model-ema-decay', '0.5', '--model-ema-warmup']).model_ema_decay == 0.5
+    assert parse_config(['--model-ema', '--model-ema-decay', '0.9998']).model_ema_decay == 0.9998

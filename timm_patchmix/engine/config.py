@@ -612,6 +612,9 @@ class TrainConfig:
         self._check_augment_given(tuple(dict.fromkeys(list(self.augment_flags())
                                                       + [_flag(n) for n in aug if n in given])),
                                   [n for n in ('remode', 'recount') if n in given])
+        if not self.model_ema and 'model_ema_decay' in given:
+            raise ConfigError('--model-ema-decay sets the weight average of --model-ema, which is off; add '
+                              '--model-ema')
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""
