@@ -1211,3 +1211,44 @@ def test_a_search_state_named_as_the_weights_file_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(f'{path} is a search state (to resume search.py from), not '
                                                         'model weights')):
         timm.create_model('patchhead_resnet32_cifar', pretrained=True, pretrained_cfg_overlay=dict(file=path))
+
+
+def test_a_per_position_head_is_refused_on_another_grid_of_as_many_cells(tmp_path, caplog):
+    """A per-position patch head (one classifier per cell) of a 2x3 grid loaded into a 3x2 or 6x1 model, since only
+    shapes were compared: cell k then classified another region of the image, silently. Every route that reads
+    the recorded grid refuses it now, naming both grids; --initial-checkpoint starts that head fresh and says so
+    (as it does a head of another shape); the same grid, or another class count, loads as before."""
+    from timm_patchmix.checkpoint import save_weights
+    from timm_patchmix.engine.model import load_initial_checkpoint
+    torch.manual_seed(0)
+    model = timm.create_model('patchhead_resnet8_cifar', num_classes=7, grid=(2, 3), per_position=True).eval()
+    ckpt = str(tmp_path / 'best.safetensors')
+    save_weights(ckpt, model.state_dict(), {'model': 'patchhead_resnet8_cifar', 'num_classes': 7,
+                                            'model_kwargs': {'grid': [2, 3], 'per_position': True}})
+    folder = hub.export_folder(ckpt, str(tmp_path / 'repo'))
+    refused = r'holds a per-position patch head trained on a 2x3 grid \(grid=\(2, 3\)\), and the model has a {}x{} grid'
+    for rows, cols in ((3, 2), (6, 1), (3, 3)):
+        with pytest.raises(CheckpointError, match=r'^.*repo.model\.safetensors ' + refused.format(rows, cols)):
+            timm.create_model(f'local-dir:{folder}', pretrained=True, grid=(rows, cols))
+        with pytest.raises(CheckpointError, match=r'^.*best\.safetensors ' + refused.format(rows, cols)):
+            timm.create_model('patchhead_resnet8_cifar', pretrained=True, per_position=True, grid=(rows, cols),
+                              pretrained_cfg_overlay=dict(file=ckpt))
+    with pytest.raises(CheckpointError, match=r'^.*best\.safetensors ' + refused.format(3, 2) + '.*leave grid to'):
+        hub.model_from_weights(ckpt, grid=(3, 2))
+    want = model.state_dict()
+    for got in (timm.create_model(f'local-dir:{folder}', pretrained=True),
+                timm.create_model('patchhead_resnet8_cifar', pretrained=True, per_position=True, grid=(2, 3),
+                                  pretrained_cfg_overlay=dict(file=ckpt)),
+                hub.model_from_weights(ckpt)[0]):
+        assert got.grid == (2, 3) and all(torch.equal(got.state_dict()[k], v) for k, v in want.items())
+    # another class count: both heads start fresh, so the grid may change with them
+    assert timm.create_model(f'local-dir:{folder}', pretrained=True, grid=(3, 2), num_classes=4).grid == (3, 2)
+    # --initial-checkpoint: the head of another grid starts fresh, the rest loads
+    torch.manual_seed(1)
+    other = timm.create_model('patchhead_resnet8_cifar', num_classes=7, grid=(3, 2), per_position=True)
+    fresh_head = other.patch_head.fc.weight.detach().clone()
+    with caplog.at_level(logging.INFO):
+        load_initial_checkpoint(other, ckpt)
+    assert 'trained on a 2x3 grid' in caplog.text and 'the patch head starts fresh' in caplog.text
+    assert torch.equal(other.patch_head.fc.weight, fresh_head)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items() if not k.startswith('patch_head.fc.'))

@@ -226,16 +226,24 @@ def load_initial_checkpoint(model: nn.Module, path: str) -> None:
     ``patch_head.``): they load into the backbone under the same rules, and the patch head starts fresh."""
     from ..checkpoint import load_weights
     from ..models.patchhead import PatchHeadModel, holds_plain_backbone
-    state, _ = load_weights(path)
+    from ..models.registry import per_position_grid_problem
+    state, meta = load_weights(path)
     if isinstance(model, PatchHeadModel) and holds_plain_backbone(state, model.backbone):
         _load_into(model.backbone, state, path)
         _logger.info('initial checkpoint: %s holds a plain model\'s weights; loaded them into the backbone, the '
                      'patch head starts fresh', path)
         return
+    problem = per_position_grid_problem(model, state, (meta.get('model_kwargs') or {}).get('grid'))
+    if problem:  # another head, as one of another shape: it starts fresh
+        for k in [k for k in state if k.startswith('patch_head.fc.')]:
+            state.pop(k)
+        _load_into(model, state, path, fresh=('patch_head.fc',))
+        _logger.info('initial checkpoint: %s %s; the patch head starts fresh', path, problem)
+        return
     _load_into(model, state, path)
 
 
-def _load_into(model: nn.Module, state: Dict[str, torch.Tensor], path: str) -> None:
+def _load_into(model: nn.Module, state: Dict[str, torch.Tensor], path: str, fresh: Tuple[str, ...] = ()) -> None:
     from ..checkpoint import CheckpointError
     from ..validation import check_tensor_kinds
     own = model.state_dict()
@@ -256,6 +264,7 @@ def _load_into(model: nn.Module, state: Dict[str, torch.Tensor], path: str) -> N
                               + '; it holds weights of another architecture, --in-chans or input size')
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not any(k.startswith(h + '.') for h in heads)] if dropped else missing
+    missing = [k for k in missing if not any(k.startswith(h + '.') for h in fresh)]  # (left out by the caller)
     if missing or unexpected:
         raise CheckpointError(f'{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}')
     if dropped:

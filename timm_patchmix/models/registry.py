@@ -30,7 +30,8 @@ from ..grid import to_grid
 from .patchhead import PREFIX, PatchHeadModel, check_per_position, create_patchhead
 from .pretrained import PATCHHEAD_PRETRAINED, UNPUBLISHED, pretrained_cfgs
 
-__all__ = ['register_patchhead_models', 'load_patchhead_weights', 'default_cfgs', 'PatchheadWeightsError']
+__all__ = ['register_patchhead_models', 'load_patchhead_weights', 'default_cfgs', 'PatchheadWeightsError',
+           'per_position_grid_problem']
 
 
 class _Names(list):
@@ -162,8 +163,26 @@ def _with_own_weights(name: str, arch: str, own: Dict[str, Any], pretrained: boo
     model.pretrained_cfg = dict(model.pretrained_cfg, **{k: v for k, v in own.items() if v is not None})
     model.pretrained_cfg['classifier'] = heads
     if pretrained:
-        load_patchhead_weights(model, own, in_chans=kwargs.get('in_chans', 3), cache_dir=cache_dir)
+        load_patchhead_weights(model, own, in_chans=kwargs.get('in_chans', 3), cache_dir=cache_dir,
+                               grid=_recorded_grid(own, file_args))
     return model
+
+
+def _recorded_grid(own: Dict[str, Any], file_args: Optional[Dict[str, Any]]):
+    """The grid the weights' patch head was trained on, where the weights record it: a Hub folder's config.json
+    ``model_args``, a ``.safetensors`` file's metadata (``model_kwargs``, as train.py writes it); else None."""
+    if own.get('source') in ('hf-hub', 'local-dir'):
+        return (file_args or {}).get('grid')
+    named = own.get('file')
+    if own.get('state_dict') is not None or not named or not str(named).endswith('.safetensors') \
+            or not os.path.isfile(named):
+        return None
+    from ..checkpoint import CheckpointError, read_meta
+    try:
+        kwargs = read_meta(named).get('model_kwargs')
+    except CheckpointError:
+        return None  # (the loader names the file)
+    return kwargs.get('grid') if isinstance(kwargs, dict) else None
 
 
 def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: bool, pretrained_cfg, overlay,
@@ -250,6 +269,25 @@ def _named_file_kind(named: str) -> Optional[Dict[str, Any]]:
         return {'whole': False}
     # (a per-position head's weight is [cells, C, D]; num_classes=0 leaves no classifier tensors)
     return {'whole': True, 'num_classes': int(head[-2]) if head is not None and len(head) >= 2 else 0}
+
+
+def per_position_grid_problem(model, state: Dict[str, Any], grid) -> Optional[str]:
+    """Why ``state``'s patch head cannot load into ``model``'s (None where it can, or where it cannot be told):
+    both per-position (one classifier per cell) and ``grid``, the grid the weights record, is another than the
+    model's, of the same cell count too, since cell k would be another region of the image."""
+    head = state.get('patch_head.fc.weight')
+    if grid is None or head is None or head.dim() != 3 or not isinstance(model, PatchHeadModel) \
+            or not model.patch_head.per_position:
+        return None
+    try:
+        trained_on = to_grid(grid)
+    except ValueError:
+        return None  # (a record that is not a grid: the shapes decide)
+    if trained_on == tuple(model.grid):
+        return None
+    return (f'holds a per-position patch head trained on a {trained_on[0]}x{trained_on[1]} grid (grid='
+            f'{trained_on}), and the model has a {model.grid[0]}x{model.grid[1]} grid: its classifier of cell k would '
+            f'classify another region of the image')
 
 
 def _check_backbone_file(pretrained_cfg, overlay) -> None:
@@ -445,9 +483,14 @@ def _hub_cached_file(cfg: Dict[str, Any], cache_dir=None) -> Optional[str]:
     return found if isinstance(found, str) else None
 
 
-def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans: int = 3, cache_dir=None) -> None:
+def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans: int = 3, cache_dir=None,
+                           grid=None) -> None:
     """Load a patchhead checkpoint through timm's own loader (Hub, local folder, file), turning a bad file into an
     error that says what to do.
+
+    ``grid``: the grid the file's patch head was trained on, where the file records it. A per-position head (one
+    classifier per cell) is refused on another grid, of the same cell count too: its cell k would classify another
+    region of the image.
 
     With the checkpoint's class count every tensor of the model must be in the file and nothing else (a strict
     load). With another ``model.num_classes`` (fine-tuning) both classifier heads (``model.pretrained_cfg
@@ -503,6 +546,10 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
                                   f'{len(missing)} tensors {missing[:8]}, unexpected {len(unexpected)} tensors '
                                   f'{unexpected[:8]}')
         check_tensor_kinds(state, own, where, CheckpointError)
+        problem = None if fresh else per_position_grid_problem(model, state, grid)
+        if problem:
+            raise CheckpointError(f'{where} {problem}. Create the model with that grid, or with another num_classes '
+                                  f'for both heads to start fresh')
         # (timm resamples a backbone's position embedding in that backbone's own filter, which the whole model's
         # weights do not pass through: a tensor of another shape is named, with the way that works)
         stems = _heads(model.pretrained_cfg.get('first_conv'))  # (timm adapts these to in_chans after the filter)
@@ -519,7 +566,8 @@ def load_patchhead_weights(model: PatchHeadModel, cfg: Dict[str, Any], in_chans:
                        f'model with those (its config.json model_args){resize}')
             else:  # the classifier heads alone: another class count, or a per-position head for a shared one
                 fix = ("the classifier heads differ: create the model with the file's head (its num_classes, and "
-                       'per_position as it was trained), or with another num_classes for both heads to start fresh')
+                       'per_position and grid as it was trained), or with another num_classes for both heads to '
+                       'start fresh')
             raise CheckpointError(f'{where} does not fit {cfg.get("architecture")} as created: {k} is '
                                   f'{list(state[k].shape)} in the file and {list(own[k].shape)} in the model'
                                   f'{f" ({len(other)} tensors differ)" if len(other) > 1 else ""}; {fix}')
