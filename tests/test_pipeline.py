@@ -520,6 +520,10 @@ def test_train_args_refuse_a_config_file(tmp_path, capsys, monkeypatch, flags):
      'error: --train-args in the mixup runs: argument --mixup-mode: half is a mode'),
     ('smoke', ['--guided-prob', '0.9', '--random-prob', '0.5'],
      'error: --train-args in the guided_pm runs: --guided-prob 0.9 and --random-prob 0.5 are fractions'),
+    # f_T's grid beyond the search's 62 cells: found when the search started, after f_T had trained
+    ('smoke', ['--patchmix-grid', '8', '8'], 'error: --train-args: the 8x8 grid has 64 cells, and the search of '
+                                             'guided_pm handles grids of up to 62 cells'),
+    ('smoke', ['--model-kwargs', 'grid=(7, 9)'], 'error: --train-args: the 7x9 grid has 63 cells'),
 ])
 def test_train_args_that_a_phase_would_refuse_stop_before_anything_is_written(tmp_path, capsys, monkeypatch, budget,
                                                                               flags, named):

@@ -747,10 +747,19 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
         open(table, 'w').close()
         for name in dict.fromkeys(n for _, n, _ in phases(args) if n != 'search'):
             try:
-                parse_config(_train_argv(args, args.seeds[0], name, method_flags(args, name, table))
-                             + list(args.train_args))
+                cfg = parse_config(_train_argv(args, args.seeds[0], name, method_flags(args, name, table))
+                                   + list(args.train_args))
             except ConfigError as e:  # (with no --train-args, the pipeline's own flags and budget are at fault)
                 parser.error(f'{"--train-args in " if args.train_args else ""}the {name} runs: {e}')
+            if name == 'random_pm' and 'guided_pm' in args.methods:  # f_T's grid, which the search must take
+                from .engine.config import DEFAULT_GRID
+                from .grid import to_grid
+                from .search.genome import MaskOps
+                rows, cols = cfg.grid or to_grid(cfg.model_kwargs.get('grid') or DEFAULT_GRID)
+                if rows * cols > MaskOps.MAX_CELLS:
+                    parser.error(f'--train-args: the {rows}x{cols} grid has {rows * cols} cells, and the search of '
+                                 f'guided_pm handles grids of up to {MaskOps.MAX_CELLS} cells; give a smaller '
+                                 f'--patchmix-grid, or leave guided_pm out of --methods')
 
 
 class PhaseFailedError(RuntimeError):
