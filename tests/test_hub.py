@@ -1241,6 +1241,14 @@ def test_a_per_position_head_is_refused_on_another_grid_of_as_many_cells(tmp_pat
                                   pretrained_cfg_overlay=dict(file=ckpt)),
                 hub.model_from_weights(ckpt)[0]):
         assert got.grid == (2, 3) and all(torch.equal(got.state_dict()[k], v) for k, v in want.items())
+    # features_only keeps the trunk alone: the head's grid does not matter there
+    for feats in (timm.create_model(f'local-dir:{folder}', pretrained=True, features_only=True, grid=(3, 2)),
+                  timm.create_model('patchhead_resnet8_cifar', pretrained=True, per_position=True, grid=(3, 2),
+                                    features_only=True, pretrained_cfg_overlay=dict(file=ckpt))):
+        assert feats.feature_info.channels() == [16, 16, 32, 64]
+        trunk = [v for k, v in want.items() if k.startswith('backbone.') and not k.startswith('backbone.fc.')]
+        got = list(feats.state_dict().values())  # (the extractor's names join a module path with '_')
+        assert len(got) == len(trunk) and all(torch.equal(a, b) for a, b in zip(got, trunk))
     # another class count: both heads start fresh, so the grid may change with them
     assert timm.create_model(f'local-dir:{folder}', pretrained=True, grid=(3, 2), num_classes=4).grid == (3, 2)
     # --initial-checkpoint: the head of another grid starts fresh, the rest loads

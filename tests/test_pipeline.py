@@ -524,6 +524,7 @@ def test_train_args_refuse_a_config_file(tmp_path, capsys, monkeypatch, flags):
     ('smoke', ['--patchmix-grid', '8', '8'], 'error: --train-args: the 8x8 grid has 64 cells, and the search of '
                                              'guided_pm handles grids of up to 62 cells'),
     ('smoke', ['--model-kwargs', 'grid=(7, 9)'], 'error: --train-args: the 7x9 grid has 63 cells'),
+    ('smoke', ['--model-kwargs', 'grid=(0, 3)'], 'error: --train-args: --model-kwargs grid must be at least 1x1'),
 ])
 def test_train_args_that_a_phase_would_refuse_stop_before_anything_is_written(tmp_path, capsys, monkeypatch, budget,
                                                                               flags, named):

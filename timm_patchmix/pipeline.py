@@ -755,7 +755,10 @@ def _check_train_args(parser: argparse.ArgumentParser, args) -> None:
                 from .engine.config import DEFAULT_GRID
                 from .grid import to_grid
                 from .search.genome import MaskOps
-                rows, cols = cfg.grid or to_grid(cfg.model_kwargs.get('grid') or DEFAULT_GRID)
+                try:
+                    rows, cols = cfg.grid or to_grid(cfg.model_kwargs.get('grid') or DEFAULT_GRID)
+                except ValueError as e:  # (--model-kwargs values are checked when the model is built)
+                    parser.error(f'--train-args: --model-kwargs {e}')
                 if rows * cols > MaskOps.MAX_CELLS:
                     parser.error(f'--train-args: the {rows}x{cols} grid has {rows * cols} cells, and the search of '
                                  f'guided_pm handles grids of up to {MaskOps.MAX_CELLS} cells; give a smaller '

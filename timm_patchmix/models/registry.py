@@ -143,7 +143,9 @@ def _heads(names) -> tuple:
 
 
 def _with_own_weights(name: str, arch: str, own: Dict[str, Any], pretrained: bool, cache_dir,
-                      kwargs: Dict[str, Any]) -> PatchHeadModel:
+                      kwargs: Dict[str, Any], head_kept: bool = True) -> PatchHeadModel:
+    """``head_kept=False``: the caller keeps the trunk only (``features_only``), so the grid of a per-position
+    patch head is not compared."""
     from ..checkpoint import CheckpointError
     from ..validation import is_int
     file_args = kwargs.pop('pretrained_model_args', None)
@@ -164,7 +166,7 @@ def _with_own_weights(name: str, arch: str, own: Dict[str, Any], pretrained: boo
     model.pretrained_cfg['classifier'] = heads
     if pretrained:
         load_patchhead_weights(model, own, in_chans=kwargs.get('in_chans', 3), cache_dir=cache_dir,
-                               grid=_recorded_grid(own, file_args))
+                               grid=_recorded_grid(own, file_args) if head_kept else None)
     return model
 
 
@@ -202,7 +204,7 @@ def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: b
             return timm.create_model(arch, features_only=True, pretrained=pretrained, pretrained_cfg=pretrained_cfg,
                                      pretrained_cfg_overlay=overlay, cache_dir=cache_dir, **kwargs)
     feature_args = {k: kwargs.pop(k) for k in _FEATURE_KWARGS if k in kwargs}
-    whole = _with_own_weights(name, arch, own, True, cache_dir, dict(kwargs, **head_args))
+    whole = _with_own_weights(name, arch, own, True, cache_dir, dict(kwargs, **head_args), head_kept=False)
     state = whole.backbone.state_dict()
     kwargs.pop('pretrained_model_args', None)
     kwargs['num_classes'] = whole.num_classes
