@@ -267,6 +267,37 @@ def test_a_resume_into_another_folder_brings_the_best_and_kept_files(uninterrupt
         assert _same_tensors(os.path.join(other.output, name), os.path.join(uninterrupted, name)), name
 
 
+class _StopCopy(Exception):
+    pass
+
+
+def test_a_resume_into_another_folder_stopped_while_copying_leaves_no_state_there(
+        uninterrupted, tmp_path, monkeypatch):
+    """The state was copied into the new folder first: a resume stopped before the kept history files followed left
+    a state naming files its folder lacked, and resuming from that folder dropped them from the history without a
+    word. The state now comes last, so such a folder holds none, and the resume from the first folder, run again,
+    ends with every file."""
+    state = os.path.join(uninterrupted, 'state.safetensors')
+    real = ckpt_io.atomic_copy
+    copied = []
+
+    def copy_once(src, dst, *a, **k):
+        if copied:
+            raise _StopCopy(dst)
+        copied.append(dst)
+        return real(src, dst, *a, **k)
+    monkeypatch.setattr(ckpt_io, 'atomic_copy', copy_once)
+    with pytest.raises(_StopCopy):
+        train(TrainConfig(output=str(tmp_path), experiment='moved', resume=state, **dict(TINY, epochs=5)))
+    moved = os.path.join(str(tmp_path), 'moved')
+    assert len(copied) == 1 and not os.path.exists(os.path.join(moved, 'state.safetensors'))
+    monkeypatch.setattr(ckpt_io, 'atomic_copy', real)
+    train(TrainConfig(output=str(tmp_path), experiment='moved', resume=state, **dict(TINY, epochs=5)))
+    assert _files(moved) == _files(uninterrupted)
+    for name in ['best.safetensors', 'last.safetensors', 'state.safetensors'] + _files(uninterrupted):
+        assert _same_tensors(os.path.join(moved, name), os.path.join(uninterrupted, name)), name
+
+
 class _StopAtBest(Exception):
     pass
 

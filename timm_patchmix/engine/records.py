@@ -435,8 +435,7 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
                         f'{"" if same else " (as in " + source + ")"}')
     if lost and stop_if_lost:
         return lost
-    if not same:  # the state itself, so that the new folder resumes (a finished run's saves no epoch there)
-        atomic_copy(resume, os.path.join(out_dir, 'state.safetensors'))
+    if not same:
         # the folder's records of another run (its settings, its end-of-run numbers, its --checkpoint-hist files)
         # would pass for this one's beside the state and weights copied in: removed, and args.yaml written anew
         # (write_start)
@@ -450,6 +449,9 @@ def restore_weights_files(out_dir: str, resume: str, start: ResumePoint, meta: D
             save_weights(os.path.join(out_dir, name), weights, own)
         else:
             atomic_copy(os.path.join(source, name), os.path.join(out_dir, name))
+    if not same:  # the state itself, last, so that the new folder resumes once it holds every file the state names
+        # (a finished run's saves no epoch there; a kill before this leaves the resume to be run again from there)
+        atomic_copy(resume, os.path.join(out_dir, 'state.safetensors'))
     if prune:
         prune_history(out_dir, start.checkpoints)
     return lost
