@@ -145,9 +145,13 @@ def test_guided_samples_of_images_of_several_sizes_are_drawn_at_the_input_size(t
     colour = _two_class_folder(tmp_path / 'data', {'a': (12, 8), 'b': (10, 10)})
     _two_class_table(tmp_path / 'masks.json')
     out = tmp_path / 'g.png'
-    with pytest.raises(ValueError, match=r'^render_guided_samples: the images drawn are of 2 sizes \(8x12, 10x10\)'):
+    with pytest.raises(viz.GuidedSamplesError,
+                       match=r'^render_guided_samples: the images drawn are of 2 sizes \(8x12, 10x10\)'):
         viz.render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(out), n=1)
     assert not out.exists()
+    with pytest.raises(ValueError, match=r'^render_guided_samples: data_config must be a dict with input_size'):
+        viz.render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(out), n=1,
+                                  data_config={'interpolation': 'bicubic'})
     drawn = []
     real = viz.render_grid
     monkeypatch.setattr(viz, 'render_grid', lambda images, partners, mixed, *a, **k: (
@@ -166,15 +170,28 @@ def test_guided_samples_refuse_an_image_file_that_cannot_be_read(tmp_path):
     """timm's image dataset answers a file it cannot open with the next item, of another class: the picture would
     caption a class-b image as class a. It is a ValueError naming the file, and nothing is written."""
     import pytest
-    from timm_patchmix.viz import render_guided_samples
+    from timm_patchmix.viz import GuidedSamplesError, render_guided_samples
     _two_class_folder(tmp_path / 'data', {'a': (8, 8), 'b': (8, 8)})
     bad = tmp_path / 'data' / 'validation' / 'a' / '0.png'
     bad.write_text('not an image')
     _two_class_table(tmp_path / 'masks.json')
-    with pytest.raises(ValueError, match=r'^render_guided_samples: .*validation/a/0\.png \(class 0\) could not be '
-                                         r'read as an image'):
+    with pytest.raises(GuidedSamplesError, match=r'^render_guided_samples: .*validation/a/0\.png \(class 0\) could '
+                                                 r'not be read as an image'):
         render_guided_samples(str(tmp_path / 'masks.json'), '', str(tmp_path / 'data'), str(tmp_path / 'g.png'), n=1)
     assert not (tmp_path / 'g.png').exists()
+
+
+def test_the_pipeline_names_a_picture_it_cannot_draw_in_one_line(monkeypatch, capsys):
+    """The guided-samples picture's refusal (an unreadable image file, say) ended the pipeline in a traceback; it
+    is an `error:` line and exit status 1, as the search's refusal of the same file is."""
+    from timm_patchmix import pipeline
+    from timm_patchmix.viz import GuidedSamplesError
+
+    def refuse(argv):
+        raise GuidedSamplesError('render_guided_samples: x.png (class 0) could not be read as an image')
+    monkeypatch.setattr(pipeline, 'main', refuse)
+    assert pipeline.cli([]) == 1
+    assert capsys.readouterr().err == 'error: render_guided_samples: x.png (class 0) could not be read as an image\n'
 
 
 def test_a_number_of_samples_no_picture_holds_is_a_usage_error(tmp_path, capsys):

@@ -1233,6 +1233,10 @@ def test_a_per_position_head_is_refused_on_another_grid_of_as_many_cells(tmp_pat
         with pytest.raises(CheckpointError, match=r'^.*best\.safetensors ' + refused.format(rows, cols)):
             timm.create_model('patchhead_resnet8_cifar', pretrained=True, per_position=True, grid=(rows, cols),
                               pretrained_cfg_overlay=dict(file=ckpt))
+        # the folder's model.safetensors named as a file: it carries no metadata, its config.json the grid
+        with pytest.raises(CheckpointError, match=r'^.*repo.model\.safetensors ' + refused.format(rows, cols)):
+            timm.create_model('patchhead_resnet8_cifar', pretrained=True, per_position=True, grid=(rows, cols),
+                              pretrained_cfg_overlay=dict(file=os.path.join(folder, 'model.safetensors')))
     with pytest.raises(CheckpointError, match=r'^.*best\.safetensors ' + refused.format(3, 2) + '.*leave grid to'):
         hub.model_from_weights(ckpt, grid=(3, 2))
     want = model.state_dict()
@@ -1252,11 +1256,14 @@ def test_a_per_position_head_is_refused_on_another_grid_of_as_many_cells(tmp_pat
     # another class count: both heads start fresh, so the grid may change with them
     assert timm.create_model(f'local-dir:{folder}', pretrained=True, grid=(3, 2), num_classes=4).grid == (3, 2)
     # --initial-checkpoint: the head of another grid starts fresh, the rest loads
-    torch.manual_seed(1)
-    other = timm.create_model('patchhead_resnet8_cifar', num_classes=7, grid=(3, 2), per_position=True)
-    fresh_head = other.patch_head.fc.weight.detach().clone()
-    with caplog.at_level(logging.INFO):
-        load_initial_checkpoint(other, ckpt)
-    assert 'trained on a 2x3 grid' in caplog.text and 'the patch head starts fresh' in caplog.text
-    assert torch.equal(other.patch_head.fc.weight, fresh_head)
-    assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items() if not k.startswith('patch_head.fc.'))
+    for path in (ckpt, os.path.join(folder, 'model.safetensors')):
+        torch.manual_seed(1)
+        other = timm.create_model('patchhead_resnet8_cifar', num_classes=7, grid=(3, 2), per_position=True)
+        fresh_head = other.patch_head.fc.weight.detach().clone()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            load_initial_checkpoint(other, path)
+        assert 'trained on a 2x3 grid' in caplog.text and 'the patch head starts fresh' in caplog.text
+        assert torch.equal(other.patch_head.fc.weight, fresh_head)
+        assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items()
+                   if not k.startswith('patch_head.fc.'))

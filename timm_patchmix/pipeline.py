@@ -36,7 +36,7 @@ from .cli_types import backbone_name, directory, fraction, nonneg_int, optional_
 from .locking import FolderBusyError, hold_folder
 from .settings import (INTERRUPTED, NUMBER, STRING, USAGE_ERROR, SettingsChangedError, check_settings, file_record,
                        foreign_output, read_record, read_settings, write_settings)
-from .viz import render_guided_samples
+from .viz import GuidedSamplesError, render_guided_samples
 
 BUDGETS: Dict[str, Dict[str, Any]] = {
     # flags for train.py, for train.py with a holdout (the test split), and for search.py
@@ -942,9 +942,10 @@ def cli(argv=None) -> int:
         return USAGE_ERROR
     # exit 1: a phase cannot start (a missing dataset...); another pipeline is writing to this --output; a training
     # phase diverged (a rerun resumes from its last finished epoch); --jobs N: a phase failed (its error is in its log);
-    # a finished phase's done.json or mask table cannot be read; a file cannot be written (full disk, no permission)
+    # a finished phase's done.json or mask table cannot be read; a file cannot be written (full disk, no permission);
+    # the guided-samples picture finds no usable image of a class
     except (TrainSetupError, SearchError, CheckpointError, FolderBusyError, NonFiniteLossError,
-            PhaseFailedError, PhaseRecordError, MaskTableError, WriteError) as e:
+            PhaseFailedError, PhaseRecordError, MaskTableError, WriteError, GuidedSamplesError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the phases started here were stopped with it

@@ -15,7 +15,8 @@ from PIL import Image, ImageDraw
 from .checkpoint import atomic_write_bytes
 from .grid import cell_bounds
 
-__all__ = ['plot_fitness', 'plot_pairs', 'render_grid', 'render_guided_samples', 'save_figure', 'save_image']
+__all__ = ['GuidedSamplesError', 'plot_fitness', 'plot_pairs', 'render_grid', 'render_guided_samples', 'save_figure',
+           'save_image']
 
 
 def save_figure(fig, path: str) -> None:
@@ -175,6 +176,11 @@ def _positions_by_class(ds) -> Dict[int, List[int]]:
     return by_class
 
 
+class GuidedSamplesError(ValueError):
+    """Data the guided-samples picture cannot be drawn from: no image of a class the table pairs, an image file
+    that cannot be read, images of several sizes without a data config."""
+
+
 def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: str, n: int = 8, seed: int = 0,
                           data_config: Optional[Dict[str, Any]] = None) -> None:
     """A PNG of guided samples: for the table's first ``n`` pairs, a validation image of each class (a training
@@ -211,11 +217,15 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     missing = sorted(need - {c for _, by_class in sources for c in by_class})
     if missing:
         named = [table.class_names[c] if table.class_names else c for c in missing]
-        raise ValueError(f'render_guided_samples: the table pairs class(es) {named}, which neither the validation '
-                         f'nor the training split of {dataset or data_dir or "patchshapes"!r} has an image of')
+        raise GuidedSamplesError(f'render_guided_samples: the table pairs class(es) {named}, which neither the '
+                                 f'validation nor the training split of {dataset or data_dir or "patchshapes"!r} has '
+                                 f'an image of')
 
     sized = None
     if data_config is not None:
+        if not isinstance(data_config, dict) or len(data_config.get('input_size') or ()) != 3:
+            raise ValueError(f'render_guided_samples: data_config must be a dict with input_size (C, H, W), got '
+                             f'{data_config!r}')
         _, h, w = data_config['input_size']
         sized = pixel_transform(3, int(h), int(w), data_config.get('interpolation') or 'bilinear',
                                 data_config.get('crop_pct'))
@@ -230,12 +240,12 @@ def render_guided_samples(table_path: str, dataset: str, data_dir: str, path: st
     try:
         picked = [image_of(a) for a, _ in pairs] + [image_of(b) for _, b in pairs]
     except DatasetError as e:
-        raise ValueError(f'render_guided_samples: {e}') from None
+        raise GuidedSamplesError(f'render_guided_samples: {e}') from None
     sizes = sorted({tuple(t.shape[1:]) for t in picked})
     if len(sizes) > 1:
-        raise ValueError(f'render_guided_samples: the images drawn are of {len(sizes)} sizes ('
-                         f'{", ".join(f"{a}x{b}" for a, b in sizes)}); pass data_config (a checkpoint\'s data '
-                         f'record, with input_size) to draw them at one size')
+        raise GuidedSamplesError(f'render_guided_samples: the images drawn are of {len(sizes)} sizes ('
+                                 f'{", ".join(f"{a}x{b}" for a, b in sizes)}); pass data_config (a checkpoint\'s '
+                                 f'data record, with input_size) to draw them at one size')
     x = torch.stack(picked)
     y = torch.tensor([a for a, _ in pairs] + [b for _, b in pairs])
     masks = torch.stack([torch.as_tensor(np.asarray(table.masks[k], dtype=bool)) for k in range(m)])

@@ -226,14 +226,14 @@ def load_initial_checkpoint(model: nn.Module, path: str) -> None:
     ``patch_head.``): they load into the backbone under the same rules, and the patch head starts fresh."""
     from ..checkpoint import load_weights
     from ..models.patchhead import PatchHeadModel, holds_plain_backbone
-    from ..models.registry import per_position_grid_problem
+    from ..models.registry import per_position_grid_problem, recorded_grid_of_file
     state, meta = load_weights(path)
     if isinstance(model, PatchHeadModel) and holds_plain_backbone(state, model.backbone):
         _load_into(model.backbone, state, path)
         _logger.info('initial checkpoint: %s holds a plain model\'s weights; loaded them into the backbone, the '
                      'patch head starts fresh', path)
         return
-    problem = per_position_grid_problem(model, state, (meta.get('model_kwargs') or {}).get('grid'))
+    problem = per_position_grid_problem(model, state, recorded_grid_of_file(path, meta))
     if problem:  # another head, as one of another shape: it starts fresh
         for k in [k for k in state if k.startswith('patch_head.fc.')]:
             state.pop(k)

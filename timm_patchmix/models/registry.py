@@ -31,7 +31,7 @@ from .patchhead import PREFIX, PatchHeadModel, check_per_position, create_patchh
 from .pretrained import PATCHHEAD_PRETRAINED, UNPUBLISHED, pretrained_cfgs
 
 __all__ = ['register_patchhead_models', 'load_patchhead_weights', 'default_cfgs', 'PatchheadWeightsError',
-           'per_position_grid_problem']
+           'per_position_grid_problem', 'recorded_grid_of_file']
 
 
 class _Names(list):
@@ -176,15 +176,36 @@ def _recorded_grid(own: Dict[str, Any], file_args: Optional[Dict[str, Any]]):
     if own.get('source') in ('hf-hub', 'local-dir'):
         return (file_args or {}).get('grid')
     named = own.get('file')
-    if own.get('state_dict') is not None or not named or not str(named).endswith('.safetensors') \
-            or not os.path.isfile(named):
+    if own.get('state_dict') is not None or not named:
         return None
+    return recorded_grid_of_file(str(named))
+
+
+def recorded_grid_of_file(path: str, meta: Optional[Dict[str, Any]] = None):
+    """The grid a ``.safetensors`` file's patch head was trained on: its metadata's ``model_kwargs`` (``meta``,
+    where the caller has read it), as train.py writes it, or for a Hub folder's ``model.safetensors`` (which carries
+    none) the ``model_args`` of the ``config.json`` beside it; None where neither records one."""
+    import json
     from ..checkpoint import CheckpointError, read_meta
+    if not path.endswith('.safetensors') or not os.path.isfile(path):
+        return None
+    if meta is None:
+        try:
+            meta = read_meta(path)
+        except CheckpointError:
+            return None  # (the loader names the file)
+    kwargs = meta.get('model_kwargs')
+    if isinstance(kwargs, dict) and kwargs.get('grid') is not None:
+        return kwargs['grid']
+    config = os.path.join(os.path.dirname(path), 'config.json')
+    if os.path.basename(path) != 'model.safetensors' or not os.path.isfile(config):
+        return None
     try:
-        kwargs = read_meta(named).get('model_kwargs')
-    except CheckpointError:
-        return None  # (the loader names the file)
-    return kwargs.get('grid') if isinstance(kwargs, dict) else None
+        with open(config, encoding='utf-8') as f:
+            args = json.load(f).get('model_args')
+    except (OSError, ValueError, AttributeError):
+        return None
+    return args.get('grid') if isinstance(args, dict) else None
 
 
 def _features(name: str, arch: str, own: Optional[Dict[str, Any]], pretrained: bool, pretrained_cfg, overlay,
