@@ -63,8 +63,8 @@ def model_from_weights(path: str, **overrides) -> Tuple[nn.Module, Dict[str, Any
         if 'default_cfg' in vars(model):  # timm's alias of the pretrained cfg, where it is a plain attribute
             model.default_cfg = model.pretrained_cfg
     check_tensor_kinds(state, model.state_dict(), path, CheckpointError)
-    from ..models.registry import per_position_grid_problem
-    problem = per_position_grid_problem(model, state, (meta.get('model_kwargs') or {}).get('grid'))
+    from ..models.registry import per_position_grid_problem, recorded_grid_of_file
+    problem = per_position_grid_problem(model, state, recorded_grid_of_file(path, meta))
     if problem:  # (a grid= override of the same cell count)
         raise CheckpointError(f'{path} {problem}; leave grid to the file')
     try:
