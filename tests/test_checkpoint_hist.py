@@ -388,11 +388,12 @@ def test_with_the_flag_the_folders_history_files_are_the_states(tmp_path):
         assert meta['epoch'] == e
 
 
-def test_a_non_finite_evaluation_loss_ranks_last(tmp_path, monkeypatch):
+def test_a_non_finite_evaluation_loss_ranks_last():
     """With --eval-metric loss, an epoch whose evaluation loss was NaN (an overflow) became best as the first epoch
     and stayed best, since no number is below NaN; --checkpoint-hist sorted on it as on a number. It now ranks
-    below every finite loss, in both."""
-    from timm_patchmix.engine import records, run
+    below every finite loss, in both (a run now stops at such an epoch, below; a resumed run's records may hold
+    one)."""
+    from timm_patchmix.engine import records
     assert records.improves(float('nan'), None, 'loss')  # the first epoch is best while nothing else is
     assert records.improves(2.0, {'score': float('nan')}, 'loss')
     assert records.improves(2.0, {'score': float('inf')}, 'loss')
@@ -404,22 +405,28 @@ def test_a_non_finite_evaluation_loss_ranks_last(tmp_path, monkeypatch):
     assert checkpoint_history(loss, [1, 0], 2, 2, 'loss') == ([1, 0], [])  # inf and NaN alike: the earlier stays
     assert checkpoint_history(loss, [1, 0], 3, 2, 'loss') == ([3, 1], [0])
 
-    validate = run.validate
-    calls = []
 
-    def nan_at_first(model, loader, *args, **kwargs):
+def test_a_non_finite_evaluation_loss_stops_the_run_before_saving_its_epoch(tmp_path, monkeypatch):
+    """An epoch whose evaluation loss is NaN (its last updates diverged: the training loss, computed before each
+    update, was still finite) was saved as last/state and, at the last epoch, ended the run with status 0. It now
+    stops the run like a non-finite training loss: that epoch saves nothing, the earlier files stay byte-identical."""
+    from timm_patchmix.engine import NonFiniteLossError, run
+    validate = run.validate
+    calls, kept = [], {}
+
+    def nan_at_second(model, loader, *args, **kwargs):
         ev = validate(model, loader, *args, **kwargs)
         calls.append(1)
-        return dict(ev, eval_loss=float('nan')) if len(calls) == 1 else ev
+        if len(calls) == 2:  # epoch 0's files are written by now
+            kept.update({f: (folder / f).read_bytes() for f in os.listdir(folder)})
+            return dict(ev, eval_loss=float('nan'))
+        return ev
 
-    monkeypatch.setattr(run, 'validate', nan_at_first)
-    result = train(TrainConfig(**dict(TINY, epochs=3, checkpoint_hist=1), eval_metric='loss', output=str(tmp_path),
-                               experiment='nan'))
-    losses = [r['eval_loss'] for r in result.rows]
-    assert losses[0] != losses[0] and losses[1] == losses[1] and losses[2] == losses[2]
-    want = 1 if losses[1] <= losses[2] else 2
-    assert result.best['epoch'] == want
-    assert sorted(f for f in os.listdir(result.output) if f.startswith('checkpoint-')) == [CHECKPOINT_NAME.format(want)]
-    best, _ = load_weights(os.path.join(result.output, 'best.safetensors'))
-    kept, _ = load_weights(os.path.join(result.output, CHECKPOINT_NAME.format(want)))
-    assert all(torch.equal(best[k], kept[k]) for k in best)
+    folder = tmp_path / 'nan'
+    monkeypatch.setattr(run, 'validate', nan_at_second)
+    with pytest.raises(NonFiniteLossError, match='non-finite evaluation loss \\(nan\\) at the end of epoch 1') as e:
+        train(TrainConfig(**dict(TINY, epochs=3, checkpoint_hist=1), eval_metric='loss', output=str(tmp_path),
+                          experiment='nan'))
+    assert e.value.evaluation and e.value.epoch == 1 and len(calls) == 2
+    assert {'best.safetensors', 'last.safetensors', 'state.safetensors', 'summary.csv'} <= set(kept)
+    assert {f: (folder / f).read_bytes() for f in os.listdir(folder)} == kept

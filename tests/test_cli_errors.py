@@ -355,11 +355,32 @@ def test_non_finite_loss_stops_the_run_and_keeps_earlier_checkpoints(capsys, tmp
     assert load_state(str(out / 'state.safetensors'))['meta']['epoch'] == 0
 
 
+def test_a_diverged_last_update_stops_the_run_instead_of_saving_it(capsys, tmp_path):
+    # one batch an epoch: epoch 1's training loss is computed before its only update (finite), and that update at lr
+    # ~1e30 makes the weights explode, so the epoch's evaluation loss is not finite. The run saved that epoch as
+    # last/state and exited 0; it now stops before saving it, as for a non-finite training loss.
+    argv = TINY + ['--epochs', '2', '--warmup-epochs', '1', '--warmup-lr', '0.01', '--lr', '1e30', '--train-subset',
+                   '16', '--output', str(tmp_path), '--experiment', 'nan']
+    assert train.cli(argv) == 1
+    err = capsys.readouterr().err
+    assert 'non-finite evaluation loss' in err and 'at the end of epoch 1' in err and 'Traceback' not in err, err
+    out = tmp_path / 'nan'
+    with open(out / 'summary.csv') as f:
+        rows = f.read().splitlines()[1:]
+    assert [line.split(',')[0] for line in rows] == ['0']
+    for name in ('best.safetensors', 'last.safetensors'):
+        weights, meta = load_weights(str(out / name))
+        assert meta['epoch'] == 0
+    assert load_state(str(out / 'state.safetensors'))['meta']['epoch'] == 0
+
+
 def test_non_finite_loss_error_message():
     e = train.NonFiniteLossError(3, 17, 40, math.nan)
     assert 'epoch 3, step 17 of 40' in str(e) and 'nan' in str(e) and isinstance(e, RuntimeError)
     e = train.NonFiniteLossError(0, 1, 5, 2.5, bad_ranks=1, world_size=2)
     assert 'on 1 of 2 processes at epoch 0, step 1 of 5' in str(e)
+    e = train.NonFiniteLossError(2, 5, 5, math.inf, evaluation=True)
+    assert 'non-finite evaluation loss (inf) at the end of epoch 2' in str(e) and e.evaluation
 
 
 def test_robustness_errors_are_one_line_not_tracebacks(capsys, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import torch.nn as nn
 
 from ..locking import hold_folder
 from .config import TrainConfig, resolve
-from .errors import ConfigError, TrainSetupError
+from .errors import ConfigError, NonFiniteLossError, TrainSetupError
 from .loaders import Datasets, Loaders, build_datasets, build_loaders, resolve_data
 from .loop import StepEvent, Stepper, amp_setup, train_one_epoch, updates_per_epoch, validate
 from .model import build_model, check_model_fits, freeze_for_linear_probe, resolve_arch
@@ -81,8 +82,8 @@ def train(cfg: TrainConfig, *, on_step: Optional[Callable[[StepEvent], None]] = 
     data config block (a caller training several models logs it for the first only). Raises
     :class:`TrainSetupError` (:class:`ConfigError` for flags) before anything is written when the run cannot start,
     :class:`~timm_patchmix.settings.SettingsChangedError` for a resume with other settings, and
-    :class:`NonFiniteLossError` when the loss stops being finite (earlier epochs' files stay as they were). The
-    global generators of Python, NumPy and torch are the caller's again on return."""
+    :class:`NonFiniteLossError` when the training loss, or an epoch's evaluation loss, is not finite (earlier epochs'
+    files stay as they were). The global generators of Python, NumPy and torch are the caller's again on return."""
     from ..checkpoint import kept_rng_state
     if on_step is not None and not callable(on_step):  # (it would fail at the first batch, after args.yaml)
         raise TypeError(f'on_step must be a callable taking a StepEvent, got {type(on_step).__name__}')
@@ -520,6 +521,8 @@ def _epochs(cfg, rt, stepper: Stepper, model, loaders: Loaders, start: ResumePoi
             if stepper.ema is not None:  # its stats average each rank's own
                 distribute_bn(stepper.ema.module, rt.world_size, reduce=cfg.dist_bn == 'reduce')
         ev = validate(evaluated, loaders.val, cfg, rt.device, stepper.autocast)
+        if not math.isfinite(ev['eval_loss']):  # (the same sum on every process) the last updates diverged
+            raise NonFiniteLossError(epoch, len(loaders.train), len(loaders.train), ev['eval_loss'], evaluation=True)
         groups = stepper.optimizer.param_groups  # their mean, as timm's train.py logs it (--layer-decay varies it)
         lr = sum(g['lr'] for g in groups) / len(groups)
         stepper.scheduler.step(epoch + 1, ev[metric_key])
