@@ -202,7 +202,7 @@ def test_clip_mode_agc_uses_timms_adaptive_clipping(monkeypatch):
             assert (unitwise_norm(p.grad) <= limit * (1 + 1e-5)).all(), n
     # without clipping the same step's gradients are far above that bound
     model2 = tiny_model()
-    cfg2 = dataclasses.replace(cfg, clip_grad=None)
+    cfg2 = dataclasses.replace(cfg, clip_grad=None, clip_mode='norm')
     torch.manual_seed(3)
     train_step(stepper(cfg2, model2, None, PatchMixLoss()), x, y)
     conv = dict(model2.named_parameters())['backbone.conv1.weight']

@@ -564,13 +564,30 @@ def test_model_flags_a_model_cannot_take_are_usage_errors(argv, flag, message):
     assert e.value.flag == flag
 
 
+@pytest.mark.parametrize('flags', [['--clip-mode', 'agc'], ['--clip-grad', '0', '--clip-mode', 'value'],
+                                   ['--clip-mode', 'norm']])  # (at its default too, when the command line gives it)
+def test_clip_mode_without_clip_grad_is_a_usage_error(flags, capsys):
+    """``--clip-mode`` without ``--clip-grad`` (or with 0, no clipping) ran without clipping and without a word."""
+    from timm_patchmix.train import resolve_args
+    from test_cli_errors import expect_usage_error
+    expect_usage_error(capsys, resolve_args, flags, f'--clip-mode {flags[-1]} sets how --clip-grad clips the '
+                       'gradients, which is off', 'add --clip-grad')
+    with pytest.raises(ConfigError, match='--clip-mode agc sets how --clip-grad clips'):
+        TrainConfig(clip_mode='agc')
+    assert train_cli.parse_config(['--clip-grad', '0.01', '--clip-mode', 'agc']).clip_mode == 'agc'
+
+
 def test_settings_of_a_mixer_that_is_off_are_named_not_silently_dropped(tmp_path, capsys):
     """``--guided-prob`` without a table, PatchMix settings without ``--patchmix``, Mixup settings without
     ``--mixup``/``--cutmix``: each changes nothing, and the run says so in a ``note:`` line (not refused: the
     pipeline gives --train-args to every method's run). Settings of a mixer that is on, or left at their
     defaults, are no note."""
     assert TrainConfig().unused_settings() == []
-    assert TrainConfig(patchmix=True, patchmix_alpha=0.5, patchmix_mode='batch').unused_settings() == []
+    assert TrainConfig(patchmix=True, patchmix_mode='batch').unused_settings() == []
+    # --patchmix-alpha with --patchmix: the rounded Beta(a, a) draw is a fair coin at every a (test_mix.py)
+    assert TrainConfig(patchmix=True, patchmix_alpha=0.5).unused_settings() == [
+        '--patchmix-alpha 0.5 changes nothing: each mask cell is round(Beta(a, a)) as the paper draws it, 0 or 1 '
+        'with probability 1/2 for every a, so the masks are the same at any value (it is recorded only)']
     assert TrainConfig(mixup=0.2, mixup_prob=0.5).unused_settings() == []
     lines = TrainConfig(patchmix=True, guided_prob=0.9).unused_settings()
     assert lines == ['--guided-prob 0.9 sets the guided batches of --patchmix-table, which is off in this run: it '
@@ -579,6 +596,12 @@ def test_settings_of_a_mixer_that_is_off_are_named_not_silently_dropped(tmp_path
         '--holdout-seed 3 sets the held-out images of --holdout, which is off in this run: it changes nothing (add '
         '--holdout F to use it)']
     assert TrainConfig(holdout=0.1, holdout_seed=3).unused_settings() == []
+    # a patch-loss weight beside --no-patch-loss weighs nothing (on a plain model, one line names both)
+    assert TrainConfig(no_patch_loss=True, patch_loss_weight=0.5, patch_head=True).unused_settings() == [
+        '--patch-loss-weight 0.5 sets the weight of the patch loss, which --no-patch-loss switches off: it changes '
+        'nothing (drop --no-patch-loss to use it)']
+    assert TrainConfig(patch_loss_weight=0.5, patch_head=True).unused_settings() == []
+    assert len(TrainConfig(no_patch_loss=True, patch_loss_weight=0.5, patch_head=False).unused_settings()) == 1
     lines = TrainConfig(patchmix_alpha=0.5, patchmix_collate=True, mixup_mode='pair').unused_settings()
     assert lines[0].startswith('--patchmix-alpha 0.5 and --patchmix-collate set how --patchmix mixes')
     assert lines[1].startswith("--mixup-mode pair sets timm's Mixup/CutMix of --mixup/--cutmix") and len(lines) == 2
@@ -616,11 +639,14 @@ def test_guided_patchmix_takes_the_alpha_and_names_the_settings_it_does_not_use(
     guided = collate_fn.guided if collate else mixer
     assert isinstance(guided, GuidedPatchMix) and isinstance(collate_fn, FastCollateGuidedPatchMix) == collate
     assert guided.mixer.alpha == 0.3
+    alpha = ('--patchmix-alpha 0.3 changes nothing: each mask cell is round(Beta(a, a)) as the paper draws it, 0 or '
+             '1 with probability 1/2 for every a, so the masks are the same at any value (it is recorded only)')
     assert cfg.unused_settings() == [
         "--patchmix-prob 0.5 and --patchmix-mode pair set Random PatchMix's batches without --patchmix-table; with "
-        "the table, --guided-prob and --random-prob share out each batch, whose random part mixes element-wise "
-        "(--patchmix-alpha still draws its masks): they change nothing (drop --patchmix-table to use them)"]
-    assert TrainConfig(patchmix=True, patchmix_table=table, patchmix_alpha=0.3).unused_settings() == []
+        "the table, --guided-prob and --random-prob share out each batch, whose random part mixes element-wise, "
+        "each cell a fair coin: they change nothing (drop --patchmix-table to use them)", alpha]
+    assert TrainConfig(patchmix=True, patchmix_table=table, patchmix_alpha=0.3).unused_settings() == [alpha]
+    assert TrainConfig(patchmix=True, patchmix_table=table).unused_settings() == []
 
 
 def test_patch_loss_settings_of_a_plain_model_are_named(tmp_path, capsys):

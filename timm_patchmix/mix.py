@@ -506,7 +506,9 @@ class PatchMix:
 
     Args:
         grid: ``P`` or ``(rows, cols)``.
-        alpha: Beta(alpha, alpha) parameter of each mask entry, rounded to {0, 1}.
+        alpha: Beta(alpha, alpha) parameter of each mask entry, rounded to {0, 1} (the paper's pseudo-code). The
+            rounded draw is 0 or 1 with probability 1/2 for every ``alpha`` (the distribution is symmetric about
+            1/2), so the masks do not depend on it; it is kept for the paper's notation.
         prob: probability that a sample (``elem``), a pair (``pair``) or the batch (``batch``) is mixed.
         mode: ``'elem'`` (own mask and partner per sample), ``'pair'`` (partners swap the same cells, as timm's
             pair mode) or ``'batch'`` (one mask for the whole batch).

@@ -462,6 +462,8 @@ class TrainConfig:
         if not self.model_ema and (self.model_ema_warmup or self.model_ema_decay != _FIELDS['model_ema_decay'].default):
             raise ConfigError(f'{"--model-ema-warmup" if self.model_ema_warmup else "--model-ema-decay"} sets the '
                               f'weight average of --model-ema, which is off; add --model-ema')
+        if not self.clip_grad and self.clip_mode != _FIELDS['clip_mode'].default:
+            raise ConfigError(self._clip_off('--clip-mode ' + self.clip_mode))
         if self.device_data and self.patchmix_collate:
             raise ConfigError('--device-data makes batches on the device, where PatchMix mixes them too; '
                               '--patchmix-collate mixes in the data loader, which --device-data replaces. '
@@ -485,12 +487,14 @@ class TrainConfig:
                 (not (self.patchmix and self.patchmix_table), ('patchmix_prob', 'patchmix_mode'),
                  'Random PatchMix\'s batches without --patchmix-table',
                  '; with the table, --guided-prob and --random-prob share out each batch, whose random part mixes '
-                 'element-wise (--patchmix-alpha still draws its masks)', 'drop --patchmix-table'),
+                 'element-wise, each cell a fair coin', 'drop --patchmix-table'),
                 # (--no-patch-loss and the grid with --patchmix: PatchMix on a plain model's image logits)
                 (self.patch_head is not False, ('no_image_loss', 'patch_loss_weight', 'per_position_head')
                  + (() if self.patchmix else ('no_patch_loss', 'grid')),
                  'the loss terms of a patch head', f', which {self.model} does not have (its loss is on its image '
                  f'logits alone)', 'train a patchhead_ model'),
+                (self.no_patch_loss is False or self.patch_head is False, ('patch_loss_weight',),
+                 'the weight of the patch loss', ', which --no-patch-loss switches off', 'drop --no-patch-loss'),
                 (self.mixup_active, ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'),
                  'timm\'s Mixup/CutMix of --mixup/--cutmix', off, 'add --mixup or --cutmix'),
                 (self.holdout, ('holdout_seed',), 'the held-out images of --holdout', off, 'add --holdout F')):
@@ -503,6 +507,10 @@ class TrainConfig:
                 lines.append(f'{" and ".join(flags)} {"sets" if one else "set"} {what}{why}: '
                              f'{"it changes" if one else "they change"} nothing ({remedy} to use '
                              f'{"it" if one else "them"})')
+        if self.patchmix and self.patchmix_alpha != _FIELDS['patchmix_alpha'].default:
+            lines.append(f'--patchmix-alpha {self.patchmix_alpha:g} changes nothing: each mask cell is '
+                         f'round(Beta(a, a)) as the paper draws it, 0 or 1 with probability 1/2 for every a, so the '
+                         f'masks are the same at any value (it is recorded only)')
         return lines
 
     def _check_rsqrt(self) -> None:
@@ -615,6 +623,13 @@ class TrainConfig:
         if not self.model_ema and 'model_ema_decay' in given:
             raise ConfigError('--model-ema-decay sets the weight average of --model-ema, which is off; add '
                               '--model-ema')
+        if not self.clip_grad and 'clip_mode' in given:
+            raise ConfigError(self._clip_off('--clip-mode ' + self.clip_mode))
+
+    def _clip_off(self, flag: str) -> str:
+        return (f'{flag} sets how --clip-grad clips the gradients, which is off '
+                f'({"--clip-grad 0" if self.clip_grad == 0 else "no --clip-grad"}); add --clip-grad with a positive '
+                f'value')
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""
