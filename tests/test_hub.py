@@ -1267,3 +1267,67 @@ def test_a_per_position_head_is_refused_on_another_grid_of_as_many_cells(tmp_pat
         assert torch.equal(other.patch_head.fc.weight, fresh_head)
         assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items()
                    if not k.startswith('patch_head.fc.'))
+
+
+def test_export_ships_the_table_the_model_trained_on_not_a_namesake(tmp_path, monkeypatch):
+    """A guided run given a relative --patchmix-table recorded the path as typed, so an export from another working
+    folder shipped whatever masks.json lay there (another search's table), card and all. The path is now recorded
+    absolute, and a recorded table whose content is not the one trained on (edited in place) is refused, not
+    shipped."""
+    rng = np.random.default_rng(1)
+    pairs = [(0, 1), (4, 7)]
+    tables = [MaskTable((4, 4), 10, list(PATCHSHAPES_CLASSES), dataset_fingerprint('', PATCHSHAPES_CLASSES), pairs,
+                        [rng.random((4, 4)) < 0.5 for _ in pairs], [score, 0.5], 0.3) for score in (0.25, 0.75)]
+    (tmp_path / 'a').mkdir()
+    (tmp_path / 'b').mkdir()
+    tables[0].save(str(tmp_path / 'a' / 'masks.json'))
+    tables[1].save(str(tmp_path / 'b' / 'masks.json'))  # another table of the same dataset, under the same name
+    monkeypatch.chdir(tmp_path / 'a')
+    res = train_main(TINY + ['--output', str(tmp_path / 'runs'), '--experiment', 'gpm', '--patchmix',
+                             '--patchmix-table', 'masks.json'])
+    ckpt = os.path.join(res['output'], 'best.safetensors')
+    assert load_weights(ckpt)[1]['patchmix']['table'] == str(tmp_path / 'a' / 'masks.json')
+    monkeypatch.chdir(tmp_path / 'b')
+    folder = hub.export_folder(ckpt, str(tmp_path / 'hub'))
+    assert open(os.path.join(folder, 'masks.json'), 'rb').read() == (tmp_path / 'a' / 'masks.json').read_bytes()
+    assert 'this model trained on' in open(os.path.join(folder, 'README.md')).read()
+    # the trained-on file replaced by another table: refused, naming the recorded digest; nothing written
+    tables[1].save(str(tmp_path / 'a' / 'masks.json'))
+    with pytest.raises(CheckpointError, match=re.escape(f'{ckpt} trained with the mask table '
+                                                        f'{tmp_path / "a" / "masks.json"}, and the file there now '
+                                                        f'holds another table')):
+        hub.export_folder(ckpt, str(tmp_path / 'hub2'))
+    assert not os.path.exists(tmp_path / 'hub2')
+    # given explicitly, another table is the caller's choice: shipped, and the card says it is not the trained one
+    card = open(os.path.join(hub.export_folder(ckpt, str(tmp_path / 'hub3'), table='masks.json'),
+                             'README.md')).read()
+    assert 'which it did not train on (the table it trained on differs)' in card
+
+
+def test_export_into_a_folder_it_cannot_write_is_one_error_line_and_follows_the_umask(trained, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """An export (or `push --dry-run`) into a folder without write permission was a PermissionError traceback; it
+    is one `error: cannot write ...` line. The exported folder was 0755 whatever the umask (0700 files in a 0755
+    folder under umask 077); it now takes the umask, as os.makedirs would."""
+    import timm_patchmix.checkpoint as checkpoint_module
+    real = checkpoint_module.tempfile.mkdtemp
+
+    def denied(*a, **k):  # (root writes anywhere: the refusal is what the file system would say)
+        raise PermissionError(13, 'Permission denied')
+    monkeypatch.setattr(checkpoint_module.tempfile, 'mkdtemp', denied)
+    for argv in (['export', '--checkpoint', trained[0], '--output', str(tmp_path / 'h')],
+                 ['push', '--checkpoint', trained[0], '--repo-id', 'u/n', '--dry-run', '--folder',
+                  str(tmp_path / 'p' / 'q')]):
+        assert hub.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f'error: cannot write {argv[-1]}: Permission denied') and 'Traceback' not in err, err
+    assert sorted(os.listdir(tmp_path)) == []  # (the folders made above the destination are removed again)
+    monkeypatch.setattr(checkpoint_module.tempfile, 'mkdtemp', real)
+    for umask, mode in ((0o077, 0o700), (0o002, 0o775)):
+        old = os.umask(umask)
+        try:
+            folder = hub.export_folder(trained[0], str(tmp_path / f'hub{umask:o}'))
+        finally:
+            os.umask(old)
+        assert os.stat(folder).st_mode & 0o777 == mode
+        assert {os.stat(os.path.join(folder, f)).st_mode & 0o777 for f in os.listdir(folder)} == {mode & 0o666}

@@ -107,7 +107,9 @@ def weights_meta(cfg: TrainConfig, model_kwargs: Dict[str, Any], class_names: Li
                  'val_split': cfg.val_split, 'holdout': holdout,
                  'input_size': list(dc.input_size), 'mean': list(dc.mean), 'std': list(dc.std),
                  'interpolation': dc.interpolation, 'crop_pct': dc.crop_pct},
-        'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid), 'table': cfg.patchmix_table or None,
+        # (the table's path made absolute: a relative one named a file in the working folder of a later reader)
+        'patchmix': {'enabled': cfg.patchmix, 'grid': list(cfg.grid),
+                     'table': os.path.abspath(cfg.patchmix_table) if cfg.patchmix_table else None,
                      'image_loss': not cfg.no_image_loss,
                      # whether the patch head trained (--no-patch-loss, or a weight of 0, leaves it untrained)
                      'patch_loss': not cfg.no_patch_loss and cfg.patch_loss_weight > 0,

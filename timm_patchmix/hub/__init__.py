@@ -21,8 +21,8 @@ import re
 import shutil
 from typing import Optional
 
-from ..checkpoint import (SET_ASIDE, CheckpointError, WriteError, atomic_write_text, clean_stale_temps, release_temp,
-                          save_weights, temp_dir)
+from ..checkpoint import (SET_ASIDE, CheckpointError, WriteError, _umask, atomic_write_text, clean_stale_temps,
+                          release_temp, save_weights, temp_dir)
 from ..data import DATA_CONFIG_KEYS, channel_matched, dataset_label
 from ..settings import file_record
 from .card import model_card as _model_card, read_results as _results, read_summary as _summary, training_method
@@ -80,6 +80,12 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
             raise CheckpointError(f'{checkpoint} trained with the mask table {table}, which is not there; pass '
                                   f'--table with its path')
         _check_destination(checkpoint, folder, table)
+        recorded = (meta.get('patchmix') or {}).get('table_sha256')
+        if not given and recorded and file_record(table)['sha256'] != recorded:
+            # (a path recorded relative to the training's working folder can name another table from here)
+            raise CheckpointError(f'{checkpoint} trained with the mask table {table}, and the file there now holds '
+                                  f'another table (its SHA-256 differs from the one recorded); pass --table with the '
+                                  f'table it trained on')
         names = meta.get('class_names')
         if not names:
             raise CheckpointError(f'{checkpoint} records no class names, so the mask table {table} cannot be '
@@ -123,9 +129,12 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         d = os.path.dirname(d)
     tmp = old = None
     try:
-        os.makedirs(parent, exist_ok=True)
-        clean_stale_temps(parent)
-        tmp = temp_dir(folder)
+        try:  # (a folder without write permission, a read-only file system: one error line)
+            os.makedirs(parent, exist_ok=True)
+            clean_stale_temps(parent)
+            tmp = temp_dir(folder)
+        except OSError as e:
+            raise WriteError(folder, e) from None
         save_weights(os.path.join(tmp, 'model.safetensors'), model.state_dict())
         save_config_for_hf(model, os.path.join(tmp, 'config.json'), model_config=model_config,
                            model_args=model_args, data_config=data_config)
@@ -139,7 +148,7 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
             shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
         atomic_write_text(os.path.join(tmp, 'README.md'),
                           _model_card(repo_id, arch, meta, metrics, table_doc, results, trained_on_table))
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a folder gets os.makedirs' mode
         if os.path.lexists(folder):
             old = temp_dir(folder)
             try:
@@ -153,7 +162,10 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, folder)
+            try:
+                os.replace(tmp, folder)
+            except OSError as e:
+                raise WriteError(folder, e) from None
     except BaseException:
         for t in (tmp, old):
             if t is not None and not os.path.lexists(os.path.join(t, SET_ASIDE)):  # never the folder being replaced
