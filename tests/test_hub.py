@@ -1304,8 +1304,8 @@ def test_export_ships_the_table_the_model_trained_on_not_a_namesake(tmp_path, mo
     assert 'which it did not train on (the table it trained on differs)' in card
 
 
-def test_export_into_a_folder_it_cannot_write_is_one_error_line_and_follows_the_umask(trained, tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_export_into_a_folder_it_cannot_write_is_one_error_line_and_follows_the_umask(
+        trained, tmp_path, monkeypatch, capsys):
     """An export (or `push --dry-run`) into a folder without write permission was a PermissionError traceback; it
     is one `error: cannot write ...` line. The exported folder was 0755 whatever the umask (0700 files in a 0755
     folder under umask 077); it now takes the umask, as os.makedirs would."""
