@@ -1100,3 +1100,27 @@ def test_a_bit_flipped_in_the_metadata_is_named(tmp_path):
         md = {k: v for k, v in f.metadata().items() if k != 'timm_patchmix.meta_sha256'}
     save_file(load_file(ckpt), ckpt, metadata=md)
     assert load_weights(ckpt)[1]['epoch'] == 5
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/maps'), reason='reads the process\'s memory maps (Linux)')
+def test_loaded_tensors_do_not_map_their_file(tmp_path):
+    """The readers returned tensors that mapped the file; a resume's optimizer (or a search's cache) keeps them,
+    so a state file replaced on the next save held its disk space until the process ended, and a resume on a
+    nearly full disk failed for want of room for two states. They are copies in memory now: once read, the file
+    is not mapped, and a kept tensor is the same when the file is replaced."""
+    import gc
+    from timm_patchmix.checkpoint import load_bundle, load_weights, save_bundle
+    w = torch.randn(300, 300, generator=torch.Generator().manual_seed(0))
+    for name, save, load in (('w.safetensors', lambda p, t: save_weights(p, t), load_weights),
+                             ('s.safetensors', lambda p, t: save_bundle(p, t, {'generation': 0}, 'search_state'),
+                              lambda p: load_bundle(p, 'search_state'))):
+        path = str(tmp_path / name)
+        save(path, {'w': w})
+        kept = load(path)[0]['w']
+        gc.collect()
+        with open('/proc/self/maps') as f:
+            assert path not in f.read()
+        save(path, {'w': torch.zeros(300, 300)})  # (replaced atomically, as the next epoch's state is)
+        assert torch.equal(kept, w)
+        kept.add_(1)  # owned memory: an optimizer's in-place update
+        assert torch.equal(load(path)[0]['w'], torch.zeros(300, 300))

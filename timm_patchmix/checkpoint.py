@@ -338,7 +338,9 @@ def _read_header(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
 def _read(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     meta, digest = _read_header(path)
     try:
-        tensors = load_file(path)
+        # copies in memory: load_file's tensors map the file, and one an optimizer or a search keeps (a resume's
+        # state) would hold a replaced file's disk space until the process ends (the next write needs room for two)
+        tensors = {k: v.clone() for k, v in load_file(path).items()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise _unreadable(path, e) from None
     _check_digest(path, tensors, digest)
