@@ -209,3 +209,28 @@ def test_a_folder_that_cannot_be_made_is_the_callers_error_naming_it(tmp_path):
         search(SearchConfig(checkpoint=ckpt, output=str(afile), population=16, generations=2, k=4, val_subset=300,
                             device='cpu'))
     assert afile.read_text() == 'kept'
+
+
+def test_runs_started_in_the_same_second_get_their_own_dated_folders(tmp_path, monkeypatch):
+    """Without --experiment a run's folder is named by its start time to the second, so two runs started in the same
+    second (two seeds launched together, a script of short runs) chose the same folder: the second was refused as
+    in use, or, once the first had ended, took over its folder. Like timm's get_outdir(inc=True), the later one
+    now gets ``<name>-1``, ``<name>-2``...; the earlier run's files stay as they were."""
+    import datetime as dt
+    from timm_patchmix.engine import run as engine_run
+
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(engine_run, 'datetime', Frozen)
+    argv = TINY[:-1] + ['1', '--output', str(tmp_path)]
+    first = train_main(argv)['output']
+    assert os.path.basename(first) == '20260102-030405-resnet32_cifar-base'
+    before = snapshot(first)
+    second = train_main(argv + ['--seed', '1'])['output']
+    assert second == first + '-1' and snapshot(first) == before
+    with held(first + '-2'):  # (a folder another process made and holds: skipped too)
+        third = train_main(argv)['output']
+    assert third == first + '-3'
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(f) for f in (first, second, first + '-2', third)]

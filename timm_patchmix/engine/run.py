@@ -374,7 +374,7 @@ def _train(cfg: TrainConfig, rt: Runtime, on_step, log_data_config: bool) -> Tra
     args_pending = False
     meta = weights_meta(cfg, model_kwargs, data.class_names, data.holdout)  # of every weights file the run writes
     # one process writes a run folder at a time: a second run on it stops here, on every rank, before it writes
-    with _hold_run_folder(_out_dir(cfg), rt) as out_dir:
+    with _hold_run_folder(_out_dir(cfg), rt, dated=not (cfg.experiment or cfg.resume)) as out_dir:
         if cfg.resume:
             _restore_weights_files(cfg, rt, out_dir, start, meta, needs_best=data.test is not None)
         if rt.primary:
@@ -437,14 +437,35 @@ def _restore_weights_files(cfg: TrainConfig, rt: Runtime, out_dir: str, start: R
         _say(rt, f'note: {problem}; it will hold the next epoch that scores better')
 
 
+def _new_dated_folder(out_dir: str) -> str:
+    """A dated run name (no ``--experiment``) made unique as timm's ``get_outdir(inc=True)`` does: runs started in
+    the same second (two seeds launched together, a script of short runs) get ``<name>-1``, ``<name>-2``... The
+    folder is made here, exclusively, so two processes never choose the same one; a folder that cannot be made
+    for another reason is left to :func:`~timm_patchmix.locking.hold_folder` to name."""
+    for i in range(10000):
+        candidate = out_dir if i == 0 else f'{out_dir}-{i}'
+        try:
+            os.makedirs(os.path.dirname(candidate) or '.', exist_ok=True)
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError:
+            return candidate
+    return out_dir
+
+
 @contextmanager
-def _hold_run_folder(out_dir: str, rt: Runtime) -> Iterator[str]:
+def _hold_run_folder(out_dir: str, rt: Runtime, dated: bool = False) -> Iterator[str]:
     """Rank 0 holds the run folder for the block (see :func:`~timm_patchmix.locking.hold_folder`); under DDP every
     rank learns rank 0's folder (a dated name can differ between ranks by a second) and whether it got it, so that
-    every rank stops with the same error when another run holds it. Yields the folder."""
+    every rank stops with the same error when another run holds it. ``dated``: the name is the run's start time,
+    made unique (:func:`_new_dated_folder`). Yields the folder."""
     with ExitStack() as stack:
         busy = None
         if rt.primary:
+            if dated:
+                out_dir = _new_dated_folder(out_dir)
             try:
                 stack.enter_context(hold_folder(out_dir, 'training run', TrainSetupError))
             except TrainSetupError as e:
