@@ -3,6 +3,7 @@ process is writing to stops at once with an error naming the folder and that pro
 ends with its holder, however that ends."""
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,3 +235,33 @@ def test_runs_started_in_the_same_second_get_their_own_dated_folders(tmp_path, m
         third = train_main(argv)['output']
     assert third == first + '-3'
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(f) for f in (first, second, first + '-2', third)]
+
+
+def test_a_folder_that_can_be_written_but_not_read_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """A run folder with write but no read permission (mode 0333) passed the checks and then failed on the lock's
+    read descriptor with a PermissionError traceback; it is named (train.py before any work, hold_folder itself
+    when asked directly). Root reads anything, so the permission is what the checks are told."""
+    import timm_patchmix.locking as locking
+    from timm_patchmix.train import cli as train_cli
+    out = tmp_path / 'wx'
+    out.mkdir()
+    real_access, real_open = os.access, os.open
+
+    def access(path, mode, *a, **k):
+        return False if os.path.abspath(path) == str(out) and mode & os.R_OK else real_access(path, mode, *a, **k)
+
+    def open_(path, flags, *a, **k):
+        if os.path.abspath(path) == str(out):
+            raise PermissionError(13, 'Permission denied')
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(locking.os, 'open', open_)
+    with pytest.raises(FolderBusyError, match=re.escape(f'cannot use the search folder {out}: Permission denied; it '
+                                                        f'must be readable too')):
+        with hold_folder(str(out), 'search'):
+            pass
+    monkeypatch.setattr(locking.os, 'access', access)
+    with pytest.raises(SystemExit) as e:
+        train_cli(TINY + ['--output', str(tmp_path), '--experiment', 'wx'])
+    assert f'{out} cannot be read (no read permission' in str(e.value.code)
+    assert os.listdir(out) == []
+    assert locking.folder_problem(str(out)) is None  # (a folder only written into need not be read)

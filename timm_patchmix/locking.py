@@ -81,11 +81,12 @@ def _command_of(pid: int) -> str:
     return text if len(text) <= 200 else text[:197] + '...'
 
 
-def folder_problem(path: str) -> Optional[Tuple[str, str]]:
+def folder_problem(path: str, locked: bool = False) -> Optional[Tuple[str, str]]:
     """Why ``path`` cannot be made or written in as a folder, as ``(where, what)`` (None: it can): a file or a link
     to nothing where it or a folder above it would be, or the nearest folder that exists not writable (root too: a
     read-only file system, an immutable folder); ``where`` is that path, absolute. Reads only, so every process of
-    a run can ask before any work."""
+    a run can ask before any work. ``locked``: the folder will be held (:func:`hold_folder`), so where it exists it
+    must be readable too."""
     p = os.path.abspath(path)
     while not os.path.isdir(p):
         if os.path.lexists(p):
@@ -97,6 +98,8 @@ def folder_problem(path: str) -> Optional[Tuple[str, str]]:
         p = parent
     if not os.access(p, os.W_OK | os.X_OK):
         return p, 'cannot be written in (no permission, or a read-only file system)'
+    if locked and p == os.path.abspath(path) and not os.access(p, os.R_OK):  # (its lock needs it readable)
+        return p, 'cannot be read (no read permission; its lock is held on a read descriptor)'
     return None
 
 
@@ -124,7 +127,12 @@ def hold_folder(path: str, what: str, error: Type[Exception] = FolderBusyError) 
         _unlocked(path, 'this platform has no flock')
         yield
         return
-    held = _Held(os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0)))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
+    except OSError as e:  # (a folder that may be written in but not read: its lock is taken on a read descriptor)
+        raise error(f'cannot use the {what} folder {path}: {e.strerror or e}; it must be readable too (its '
+                    f'lock is held on it); give another output folder or make it readable') from None
+    held = _Held(fd)
     _HELD.add(held)  # from here on a fork closes the child's copy
     try:
         locked = False

@@ -318,13 +318,15 @@ def _check_out_dir(cfg: TrainConfig) -> None:
     from ..locking import folder_problem
     if cfg.resume and not cfg.experiment:  # the state's own folder goes on
         folder = os.path.dirname(os.path.abspath(cfg.resume))
-        problem = folder_problem(folder) if os.path.isdir(folder) else None  # (a missing state: named later)
+        # (a missing state: named later)
+        problem = folder_problem(folder, locked=True) if os.path.isdir(folder) else None
         if problem:
             raise TrainSetupError(f'cannot write in the run folder of --resume {cfg.resume}: {" ".join(problem)}; '
                                   f'give --experiment (and --output) to go on in another folder')
         return
     base = cfg.output or os.path.join('.', 'output', 'train')
-    problem = folder_problem(os.path.join(base, cfg.experiment) if cfg.experiment else base)
+    problem = folder_problem(os.path.join(base, cfg.experiment), locked=True) if cfg.experiment else \
+        folder_problem(base)
     if problem:
         raise TrainSetupError(f'cannot make the run folder under --output {base}'
                               + (f' --experiment {cfg.experiment}' if cfg.experiment else '')

@@ -60,7 +60,7 @@ def _search(cfg: SearchConfig, on_generation: Optional[GenerationCallback]) -> S
                                               'state.safetensors'))
     if foreign:
         raise SearchUsageError(foreign)
-    problem = folder_problem(cfg.output)  # (on every process, before the model and the images are loaded)
+    problem = folder_problem(cfg.output, locked=True)  # (on every process, before the model and the images are loaded)
     if problem:  # (worded as hold_folder words it, "it" where the folder itself is at fault)
         where, what = problem
         raise SearchError(f'cannot make the search folder {cfg.output}: '
