@@ -1331,3 +1331,29 @@ def test_export_into_a_folder_it_cannot_write_is_one_error_line_and_follows_the_
             os.umask(old)
         assert os.stat(folder).st_mode & 0o777 == mode
         assert {os.stat(os.path.join(folder, f)).st_mode & 0o777 for f in os.listdir(folder)} == {mode & 0o666}
+
+
+def test_commands_print_non_ascii_paths_on_an_ascii_stdout(tmp_path):
+    """With an ASCII standard output (PYTHONIOENCODING=ascii, a C locale with PYTHONUTF8=0) a command that had
+    done its work failed at its last print of a non-ASCII path: `hub export` wrote the folder and then said
+    `error: 'ascii' codec can't encode...` with exit 2 (the pipeline's report, with its `P²`, failed every rerun).
+    Standard output now shows such letters as backslash escapes, as standard error does."""
+    import io
+    from timm_patchmix.cli import tolerant_stdout
+    _, ckpt, _ = small_folder(tmp_path)
+    dest = str(tmp_path / 'modèle')
+    r = subprocess.run([sys.executable, '-m', 'timm_patchmix.hub', 'export', '--checkpoint', ckpt, '--output', dest],
+                       capture_output=True, timeout=300, env=dict(os.environ, PYTHONIOENCODING='ascii'))
+    assert r.returncode == 0, r.stderr.decode('ascii', 'replace')[-2000:]
+    assert r.stdout.decode('ascii').strip() == dest.encode('ascii', 'backslashreplace').decode('ascii')
+    assert os.path.isfile(os.path.join(dest, 'model.safetensors'))
+    # the helper itself: an ASCII stream learns the escapes; a UTF-8 one, or one given a handler, is left alone
+    old = sys.stdout
+    try:
+        for encoding, errors, want in (('ascii', 'strict', 'backslashreplace'), ('utf-8', 'strict', 'strict'),
+                                       ('ascii', 'replace', 'replace')):
+            sys.stdout = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors=errors)
+            tolerant_stdout()
+            assert sys.stdout.errors == want
+    finally:
+        sys.stdout = old

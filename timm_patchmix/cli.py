@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ['COMMANDS', 'HelpFormatter', 'main', 'prog_name', 'run', 'train', 'search', 'pipeline']
+__all__ = ['COMMANDS', 'HelpFormatter', 'main', 'prog_name', 'run', 'train', 'search', 'pipeline',
+           'tolerant_stdout']
 
 # subcommand -> (module, function, one-line help); the function takes argv and returns an exit status
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
@@ -104,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('command', metavar='COMMAND', choices=list(COMMANDS), help='one of: ' + ', '.join(COMMANDS))
     p.add_argument('args', nargs=argparse.REMAINDER, metavar='ARGS', help="the command's own flags")
     return p
+
+
+def tolerant_stdout() -> None:
+    """Let standard output show what its encoding cannot (a path or class name with non-ASCII letters, the
+    report's ``P²``) as backslash escapes, as Python's standard error does, instead of failing a finished command
+    at its last line (``PYTHONIOENCODING=ascii``, a C locale with ``PYTHONUTF8=0``). A UTF-8 stream, or one whose
+    error handler was chosen already, is left as it is. Every command line calls it first."""
+    stream = sys.stdout
+    encoding = (getattr(stream, 'encoding', None) or '').lower().replace('-', '').replace('_', '')
+    if encoding == 'utf8' or getattr(stream, 'errors', None) != 'strict' or not hasattr(stream, 'reconfigure'):
+        return
+    try:
+        stream.reconfigure(errors='backslashreplace')
+    except (ValueError, OSError, AttributeError):  # (a stream that cannot change it: it stays as it was)
+        pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     parser = build_parser()
     args = parser.parse_args(argv)
     problem = folder_problem(args.output)

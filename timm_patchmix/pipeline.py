@@ -930,6 +930,8 @@ def _run(args, argv: List[str], threads: int, on_train_step, started: float) -> 
 
 
 def cli(argv=None) -> int:
+    from .cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     from .checkpoint import CheckpointError
     from .engine import ConfigError, NonFiniteLossError, TrainSetupError
     from .search import SearchError

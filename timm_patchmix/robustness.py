@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     from .data import build_dataset, pixel_transform, recorded_data_config
     from .hub import model_from_weights
 

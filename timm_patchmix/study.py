@@ -763,6 +763,8 @@ def main(argv=None, log=print) -> int:
 
 
 def cli(argv=None) -> int:
+    from .cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     import logging
     logging.basicConfig(level=logging.WARNING, format='%(message)s')
     try:

@@ -485,6 +485,8 @@ def cli(argv: Optional[List[str]] = None) -> int:
     """``train.py``'s exit status: 0, 2 for a resume with changed settings, 1 for a non-finite loss (usage errors
     and runs that cannot start exit through argparse or SystemExit). As a command line, it prints the run's INFO
     lines (rank 0's; warnings only from the other ranks) unless logging is configured already."""
+    from .cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     from timm.utils import world_info_from_env
 
     from .settings import INTERRUPTED, USAGE_ERROR, SettingsChangedError

@@ -72,6 +72,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 def main(argv=None, prog: Optional[str] = None) -> int:
     """Run the command line; returns 0, or 2 with ``error: ...`` on stderr for a usage or input error."""
+    from ..cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     from . import export_backbone, export_folder, push
     a = build_parser(prog).parse_args(argv)
     try:

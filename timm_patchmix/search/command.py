@@ -167,6 +167,8 @@ def main(argv: Optional[List[str]] = None) -> MaskTable:
 def cli(argv: Optional[List[str]] = None) -> int:
     """The command line's exit status: 0 done, 2 for changed settings on a resume (exits 2 or 1 on other errors).
     As a command line, it prints INFO lines unless logging is configured already."""
+    from ..cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     try:
         main(argv)

@@ -410,6 +410,8 @@ def _fmt(v: Optional[float]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Measure, print a summary, write ``--output``; a table that does not fit exits 1 with an ``error:`` line."""
+    from ..cli import tolerant_stdout
+    tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
     parser = build_parser()
     args = parser.parse_args(None if argv is None else list(argv))
     for name in ('checkpoint', 'table'):  # the result would replace an input
