@@ -5,6 +5,8 @@ import argparse
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -437,3 +439,13 @@ def test_split_names_of_two_split_datasets():
         _scored_split(cfg, {'val_split': 'validation'}, '', '')
     cfg = SimpleNamespace(val_split='val', checkpoint='ft.safetensors')
     assert _scored_split(cfg, {'val_split': 'validation'}, '', '') == 'val'
+
+
+def test_an_unknown_pooling_is_a_usage_error_under_python_O(tmp_path):
+    """timm asserts the pool type; under `python -O` the assert is gone and `--gp bogus` ended in an AttributeError
+    traceback from the model's first forward. It is the same usage error as without -O, before any file."""
+    r = subprocess.run([sys.executable, '-O', '-m', 'timm_patchmix.train', '--gp', 'bogus', '--epochs', '1',
+                        '--output', str(tmp_path)] + TINY, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    assert "error: argument --gp: resnet32_cifar with the global pooling 'bogus' gives no logits" in r.stderr
+    assert os.listdir(tmp_path) == []

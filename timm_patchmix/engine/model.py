@@ -337,7 +337,8 @@ def _check_pooling(cfg: TrainConfig, model: nn.Module, input_size, device) -> No
         out = _eval_output(model, input_size, device)
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
         problem = None if shape == (1, cfg.num_classes) else f'it gives outputs of shape {shape}'
-    except (RuntimeError, AssertionError, ValueError) as e:
+    except (RuntimeError, AssertionError, ValueError, AttributeError, KeyError, TypeError) as e:
+        # (timm asserts the pool type; under python -O the unknown type fails later, as a missing attribute)
         problem = f'{type(e).__name__}: {e}'
     if problem is not None:
         raise ConfigError(f'{cfg.model} with the global pooling {cfg.gp!r} gives no logits of '
