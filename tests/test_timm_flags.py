@@ -703,3 +703,17 @@ def test_the_recorded_command_reads_back_as_the_flags_it_ran_with():
     cfg = parse_config(argv)
     assert shlex.split(cfg.command) == ['train.py'] + argv
     assert parse_config(shlex.split(cfg.command)[1:]).experiment == 'a b'
+
+
+def test_help_names_where_each_recipe_filled_flag_gets_its_value():
+    """README: `--help` lists every flag with its default. The flags a --recipe fills (--lr, --epochs, -b, --model...)
+    and --output/--experiment showed none; their help now names each recipe's value, or the one they share."""
+    from timm_patchmix.engine.config import TIMM_DEFAULTS
+    parser = train_cli.build_parser()
+    helps = {a.dest: a.help or '' for a in parser._actions if a.option_strings}
+    missing = [name for name in list(TIMM_DEFAULTS) + ['output', 'experiment'] if 'default:' not in helps[name]]
+    assert not missing
+    text = ' '.join(parser.format_help().split())
+    assert "--epochs EPOCHS default: the --recipe's, demo 4, timm 300, paper-cifar 400" in text
+    assert "--lr LR default: the --recipe's, demo 0.1, timm by the rule of --lr-base, paper-cifar 0.1" in text
+    assert '--opt OPT default: sgd' in text and '(default: output/train)' in text

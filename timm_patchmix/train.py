@@ -82,8 +82,22 @@ def _dataset_flags(g) -> None:
                    help='with --holdout, test on a fixed random subset of N images of --val-split (default: all)')
 
 
+def _recipe_default(name: str, text: str = '') -> str:
+    """``text`` and where the value of a flag left unset comes from: its ``--recipe``'s (one value where all agree;
+    an lr without one: timm's rule)."""
+    values = {r: dict(TIMM_DEFAULTS, **RECIPES[r]).get(name) for r in ('demo', 'timm', 'paper-cifar')}
+    shown = {r: ('by the rule of --lr-base' if v is None and name == 'lr' else repr(v) if v == '' else str(v))
+             for r, v in values.items()}
+    if len(set(shown.values())) == 1:
+        default = f'default: {next(iter(shown.values()))}'
+    else:
+        default = "default: the --recipe's, " + ', '.join(f'{r} {v}' for r, v in shown.items())
+    return f'{text} ({default})' if text else default
+
+
 def _model_flags(g) -> None:
-    g.add_argument('--model', default=None, help='timm model name; patchhead_<arch> adds the patch head')
+    g.add_argument('--model', default=None,
+                   help=_recipe_default('model', 'timm model name; patchhead_<arch> adds the patch head'))
     g.add_argument('--pretrained', action='store_true', default=False)
     g.add_argument('--initial-checkpoint', default='', type=optional_file,
                    help='start from these weights (safetensors)')
@@ -169,16 +183,18 @@ def _augment_flags(g) -> None:
 
 
 def _optimizer_flags(g) -> None:
-    g.add_argument('-b', '--batch-size', type=VALUE_TYPES['batch_size'], default=None)
+    g.add_argument('-b', '--batch-size', type=VALUE_TYPES['batch_size'], default=None,
+                   help=_recipe_default('batch_size'))
     g.add_argument('-vb', '--validation-batch-size', type=VALUE_TYPES['validation_batch_size'], default=None)
     g.add_argument('--grad-accum-steps', type=VALUE_TYPES['grad_accum_steps'], default=1, metavar='N',
                    help="add up the gradients of N batches for each optimizer update (timm's): an update's batch is "
                         "-b x N x processes, which timm's lr rule (--lr-base) scales to")
-    g.add_argument('--opt', default=None)
+    g.add_argument('--opt', default=None, help=_recipe_default('opt'))
     g.add_argument('--opt-eps', type=VALUE_TYPES['opt_eps'], default=None)
     g.add_argument('--opt-betas', type=VALUE_TYPES['opt_betas'], nargs='+', default=None)
-    g.add_argument('--momentum', type=VALUE_TYPES['momentum'], default=None)
-    g.add_argument('--weight-decay', type=VALUE_TYPES['weight_decay'], default=None)
+    g.add_argument('--momentum', type=VALUE_TYPES['momentum'], default=None, help=_recipe_default('momentum'))
+    g.add_argument('--weight-decay', type=VALUE_TYPES['weight_decay'], default=None,
+                   help=_recipe_default('weight_decay'))
     g.add_argument('--opt-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                    help="extra keyword arguments of the optimizer (timm's), e.g. amsgrad=True")
     g.add_argument('--layer-decay', type=VALUE_TYPES['layer_decay'], default=None,
@@ -187,19 +203,21 @@ def _optimizer_flags(g) -> None:
     g.add_argument('--clip-grad', type=VALUE_TYPES['clip_grad'], default=None, help='0: no clipping')
     g.add_argument('--clip-mode', default='norm', choices=CLIP_MODES,
                    help="timm's dispatch_clip_grad: 'norm', 'value' or 'agc' (adaptive, --clip-grad is the ratio)")
-    g.add_argument('--sched', default=None, choices=SCHEDULERS)
+    g.add_argument('--sched', default=None, choices=SCHEDULERS, help=_recipe_default('sched'))
     g.add_argument('--sched-on-updates', action='store_true', default=False)
-    g.add_argument('--lr', type=VALUE_TYPES['lr'], default=None)
+    g.add_argument('--lr', type=VALUE_TYPES['lr'], default=None, help=_recipe_default('lr'))
     g.add_argument('--lr-base', type=VALUE_TYPES['lr_base'], default=None,
                    help="without --lr: the lr is this times the global batch over --lr-base-size (timm's rule; "
-                        "default 0.1). Given, it wins over a recipe's lr")
-    g.add_argument('--lr-base-size', type=VALUE_TYPES['lr_base_size'], default=None, help='default 256')
+                        "default: 0.1). Given, it wins over a recipe's lr")
+    g.add_argument('--lr-base-size', type=VALUE_TYPES['lr_base_size'], default=None,
+                   help=_recipe_default('lr_base_size'))
     g.add_argument('--lr-base-scale', default=None, choices=('', 'linear', 'sqrt'),
                    help='default: sqrt for Ada*/LAMB optimizers, else linear')
-    g.add_argument('--min-lr', type=VALUE_TYPES['min_lr'], default=None)
-    g.add_argument('--warmup-lr', type=VALUE_TYPES['warmup_lr'], default=None)
-    g.add_argument('--epochs', type=VALUE_TYPES['epochs'], default=None)
-    g.add_argument('--warmup-epochs', type=VALUE_TYPES['warmup_epochs'], default=None)
+    g.add_argument('--min-lr', type=VALUE_TYPES['min_lr'], default=None, help=_recipe_default('min_lr'))
+    g.add_argument('--warmup-lr', type=VALUE_TYPES['warmup_lr'], default=None, help=_recipe_default('warmup_lr'))
+    g.add_argument('--epochs', type=VALUE_TYPES['epochs'], default=None, help=_recipe_default('epochs'))
+    g.add_argument('--warmup-epochs', type=VALUE_TYPES['warmup_epochs'], default=None,
+                   help=_recipe_default('warmup_epochs'))
     g.add_argument('--cooldown-epochs', type=VALUE_TYPES['cooldown_epochs'], default=0)
     g.add_argument('--decay-epochs', type=VALUE_TYPES['decay_epochs'], default=90)
     g.add_argument('--decay-milestones', type=VALUE_TYPES['decay_milestones'], nargs='+', default=(90, 180, 270),
@@ -235,7 +253,7 @@ def _mixing_flags(g) -> None:
     g.add_argument('--mixup-switch-prob', type=VALUE_TYPES['mixup_switch_prob'], default=0.5)
     g.add_argument('--mixup-mode', default='batch', choices=('batch', 'pair', 'elem', 'half'))
     g.add_argument('--mixup-off-epoch', type=VALUE_TYPES['mixup_off_epoch'], default=0, help='0: never')
-    g.add_argument('--smoothing', type=VALUE_TYPES['smoothing'], default=None)
+    g.add_argument('--smoothing', type=VALUE_TYPES['smoothing'], default=None, help=_recipe_default('smoothing'))
     g.add_argument('--bce-loss', action='store_true', default=False,
                    help="timm's binary cross-entropy in place of the cross-entropy (the image's and each cell's)")
     g.add_argument('--bce-sum', action='store_true', default=False, help='--bce-loss: sum over the classes')
@@ -270,7 +288,8 @@ def _running_flags(g) -> None:
     g.add_argument('--dist-bn', default='reduce', choices=('', 'broadcast', 'reduce'),
                    help='with several processes, before each validation: average the BatchNorm running stats over '
                         'the processes (reduce), take rank 0\'s (broadcast), or leave each its own (\'\')')
-    g.add_argument('-j', '--workers', type=VALUE_TYPES['workers'], default=None, help='0: load in the main process')
+    g.add_argument('-j', '--workers', type=VALUE_TYPES['workers'], default=None,
+                   help=_recipe_default('workers', '0: load in the main process'))
     g.add_argument('--pin-mem', action='store_true', default=False)
     g.add_argument('--no-prefetcher', action='store_true', default=False)
     g.add_argument('--device-data', action='store_true', default=False,
@@ -278,8 +297,11 @@ def _running_flags(g) -> None:
                         'normalise and mix its batches there, instead of streaming it through the data loader')
     g.add_argument('--device', default=None, help='default: cuda when available, else cpu')
     g.add_argument('--seed', type=VALUE_TYPES['seed'], default=42)
-    g.add_argument('--output', default='', type=optional_directory)
-    g.add_argument('--experiment', default='')
+    g.add_argument('--output', default='', type=optional_directory,
+                   help='the folder of the run folders (default: output/train)')
+    g.add_argument('--experiment', default='',
+                   help='the run folder\'s name (default: <YYYYMMDD-HHMMSS>-<model>-<patchmix|base>, -1, -2... '
+                        'added for a run started in the same second as another)')
     g.add_argument('--log-interval', type=VALUE_TYPES['log_interval'], default=50, metavar='N',
                    help='with --no-progress, a line (loss, lr, images/s) at every N-th optimizer update of an epoch '
                         'and at its end, as timm logs; without it the progress bar shows them')

@@ -30,8 +30,8 @@ from .cli import main
 from .load import (_SOURCES, _check_registered, _patchhead, _read_config,  # noqa: F401  (train.py reads _read_config)
                    backbone_state_dict, export_backbone, load_backbone, load_model, model_from_weights)
 
-__all__ = ['model_from_weights', 'export_folder', 'push', 'load_model', 'load_backbone', 'backbone_state_dict',
-           'export_backbone', 'main']
+__all__ = ['model_from_weights', 'export_folder', 'push', 'UploadError', 'load_model', 'load_backbone',
+           'backbone_state_dict', 'export_backbone', 'main']
 
 
 def _repo_name(folder: str) -> str:
@@ -43,6 +43,11 @@ def _repo_name(folder: str) -> str:
     while name.endswith('.git'):
         name = name[:-4].rstrip('-.')
     return name or 'model'
+
+
+class UploadError(RuntimeError):
+    """The upload of an exported folder failed (the network, the Hub, a token without write access); the folder
+    is ready, and the message says how to push it again. The command line exits 1 for it, as for a failed write."""
 
 
 def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, table: Optional[str] = None,
@@ -251,6 +256,6 @@ def push(checkpoint: str, repo_id: str, dry_run: bool = False, folder: Optional[
         return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
                                  commit_message=commit_message)
     except Exception as e:  # the Hub's, or the network's, errors: many kinds, one message
-        raise RuntimeError(f'the upload to {repo_id} failed ({type(e).__name__}: {e}); the folder is ready in '
-                           f'{folder}: push again later with --overwrite (overwrite=True), which writes it anew, '
-                           f'or upload it with huggingface_hub') from e
+        raise UploadError(f'the upload to {repo_id} failed ({type(e).__name__}: {e}); the folder is ready in '
+                          f'{folder}: push again later with --overwrite (overwrite=True), which writes it anew, '
+                          f'or upload it with huggingface_hub') from e

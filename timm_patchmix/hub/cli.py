@@ -71,10 +71,11 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def main(argv=None, prog: Optional[str] = None) -> int:
-    """Run the command line; returns 0, or 2 with ``error: ...`` on stderr for a usage or input error."""
+    """Run the command line; returns 0, 2 with ``error: ...`` on stderr for a usage or input error, 1 for a write
+    or an upload that failed (a full disk, the network)."""
     from ..cli import tolerant_stdout
     tolerant_stdout()  # (first: a non-ASCII path or name never fails a print)
-    from . import export_backbone, export_folder, push
+    from . import UploadError, export_backbone, export_folder, push
     a = build_parser(prog).parse_args(argv)
     try:
         if a.cmd == 'export':
@@ -85,7 +86,10 @@ def main(argv=None, prog: Optional[str] = None) -> int:
             print(out if a.dry_run else f'pushed to {a.repo_id}: {out}')
         else:
             print(export_backbone(a.source, a.output, overwrite=a.overwrite))
-    except (CheckpointError, FileExistsError, FileNotFoundError, RuntimeError, ValueError, WriteError) as e:
+    except (WriteError, UploadError) as e:  # the inputs were good; writing or uploading failed
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+    except (CheckpointError, FileExistsError, FileNotFoundError, RuntimeError, ValueError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     return 0
