@@ -489,3 +489,10 @@ def test_a_resume_into_its_own_folder_spelt_through_a_link_keeps_its_records(tmp
     before = {n: (real / 'a' / n).read_bytes() for n in ('fgsm.json', 'args.yaml')}
     train_main(flags + ['--resume', str(tmp_path / 'link' / 'a' / 'state.safetensors')])  # no epoch left
     assert {n: (real / 'a' / n).read_bytes() for n in ('fgsm.json', 'args.yaml')} == before
+
+
+def test_holdout_size_is_the_documented_float_rounding():
+    """docs/training.md: F × the split's size rounded half up in binary floating point, which search.py and every
+    recorded holdout share: 0.29 × 50 is 14.499999... there, so 14; exact halves round up."""
+    assert holdout_size(50, 0.29) == 14 and holdout_size(50, 0.3) == 15 and holdout_size(10, 0.25) == 3
+    assert holdout_size(90, 0.35) == 31 and holdout_size(4, 0.125) == 1
