@@ -32,12 +32,10 @@ PYPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # settings another one must accompany (a combination check would refuse them alone)
 CONTEXT = {'test_subset': dict(holdout=0.1), 'model_ema_decay': dict(model_ema=True),
-           'bce_target_thresh': dict(bce_loss=True), 'bce_pos_weight': dict(bce_loss=True), 'recount': dict(reprob=0.5),
-           'clip_mode': dict(clip_grad=1.0)}
+           'bce_target_thresh': dict(bce_loss=True), 'bce_pos_weight': dict(bce_loss=True), 'recount': dict(reprob=0.5)}
 CONTEXT_FLAGS = {'test_subset': ['--holdout', '0.1'], 'model_ema_decay': ['--model-ema'],
                  'bce_target_thresh': ['--bce-loss'], 'bce_pos_weight': ['--bce-loss'],
-                 'recount': ['--reprob', '0.5'],  # (--recount at any value needs --reprob on the command line)
-                 'clip_mode': ['--clip-grad', '1']}
+                 'recount': ['--reprob', '0.5']}  # (--recount at any value needs --reprob on the command line)
 
 
 def flag_of(name):

@@ -1323,6 +1323,18 @@ def test_export_into_a_folder_it_cannot_write_is_one_error_line_and_follows_the_
         assert err.startswith(f'error: cannot write {argv[-1]}: Permission denied') and 'Traceback' not in err, err
     assert sorted(os.listdir(tmp_path)) == []  # (the folders made above the destination are removed again)
     monkeypatch.setattr(checkpoint_module.tempfile, 'mkdtemp', real)
+    # a full disk in a write the project does not make itself (timm's config.json writer): the same one line
+    import errno
+    import timm_patchmix.compat as compat
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(compat, 'save_config_for_hf', full)
+    assert hub.main(['export', '--checkpoint', trained[0], '--output', str(tmp_path / 'h')]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: cannot write {tmp_path / "h"}: No space left on device') and 'Traceback' not in err
+    assert sorted(os.listdir(tmp_path)) == []  # (its temporary folder removed)
+    monkeypatch.undo()
     for umask, mode in ((0o077, 0o700), (0o002, 0o775)):
         old = os.umask(umask)
         try:
@@ -1337,7 +1349,8 @@ def test_commands_print_non_ascii_paths_on_an_ascii_stdout(tmp_path):
     """With an ASCII standard output (PYTHONIOENCODING=ascii, a C locale with PYTHONUTF8=0) a command that had
     done its work failed at its last print of a non-ASCII path: `hub export` wrote the folder and then said
     `error: 'ascii' codec can't encode...` with exit 2 (the pipeline's report, with its `P²`, failed every rerun).
-    Standard output now shows such letters as backslash escapes, as standard error does."""
+    Standard output now shows such letters as backslash escapes, as standard error does (and the bytes of an
+    undecodable path as they were read)."""
     import io
     from timm_patchmix.cli import tolerant_stdout
     _, ckpt, _ = small_folder(tmp_path)
@@ -1347,11 +1360,20 @@ def test_commands_print_non_ascii_paths_on_an_ascii_stdout(tmp_path):
     assert r.returncode == 0, r.stderr.decode('ascii', 'replace')[-2000:]
     assert r.stdout.decode('ascii').strip() == dest.encode('ascii', 'backslashreplace').decode('ascii')
     assert os.path.isfile(os.path.join(dest, 'model.safetensors'))
+    # a C locale: stdout is ASCII with surrogateescape, which failed on a real letter; letters are escaped now,
+    # and an undecodable path's bytes still come back as they were read
+    script = tmp_path / 'say.py'
+    script.write_text('from timm_patchmix.cli import tolerant_stdout\ntolerant_stdout()\n'
+                      'print("P\\u00b2 \\u00b1 caf\\udcc3\\udca9")\n', encoding='ascii')
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=300,
+                       env=dict(os.environ, LC_ALL='C', PYTHONUTF8='0', PYTHONIOENCODING=''))
+    assert r.returncode == 0 and r.stdout == b'P\\xb2 \\xb1 caf\xc3\xa9\n', (r.stdout, r.stderr[-2000:])
     # the helper itself: an ASCII stream learns the escapes; a UTF-8 one, or one given a handler, is left alone
+    from timm_patchmix.cli import _ESCAPES
     old = sys.stdout
     try:
-        for encoding, errors, want in (('ascii', 'strict', 'backslashreplace'), ('utf-8', 'strict', 'strict'),
-                                       ('ascii', 'replace', 'replace')):
+        for encoding, errors, want in (('ascii', 'strict', _ESCAPES), ('ascii', 'surrogateescape', _ESCAPES),
+                                       ('utf-8', 'strict', 'strict'), ('ascii', 'replace', 'replace')):
             sys.stdout = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors=errors)
             tolerant_stdout()
             assert sys.stdout.errors == want

@@ -107,17 +107,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_ESCAPES = 'timm_patchmix.escapes'
+
+
+def _escapes(e: UnicodeError):
+    """An encoding error handler: the bytes a lone surrogate stands for (a path or name Python read undecodable,
+    as ``surrogateescape`` writes it back), any other letter as a backslash escape (``backslashreplace``)."""
+    if not isinstance(e, UnicodeEncodeError):
+        raise e
+    out = bytearray()
+    for ch in e.object[e.start:e.end]:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(code - 0xDC00)
+        else:
+            out += ch.encode('ascii', 'backslashreplace')
+    return bytes(out), e.end
+
+
 def tolerant_stdout() -> None:
     """Let standard output show what its encoding cannot (a path or class name with non-ASCII letters, the
     report's ``P²``) as backslash escapes, as Python's standard error does, instead of failing a finished command
-    at its last line (``PYTHONIOENCODING=ascii``, a C locale with ``PYTHONUTF8=0``). A UTF-8 stream, or one whose
-    error handler was chosen already, is left as it is. Every command line calls it first."""
+    at its last line (``PYTHONIOENCODING=ascii``; a C locale with ``PYTHONUTF8=0``, whose ``surrogateescape``
+    handler still writes back the bytes of undecodable paths). A UTF-8 stream, or one given another handler, is
+    left as it is. Every command line calls it first."""
+    import codecs
     stream = sys.stdout
     encoding = (getattr(stream, 'encoding', None) or '').lower().replace('-', '').replace('_', '')
-    if encoding == 'utf8' or getattr(stream, 'errors', None) != 'strict' or not hasattr(stream, 'reconfigure'):
+    if (encoding == 'utf8' or getattr(stream, 'errors', None) not in ('strict', 'surrogateescape')
+            or not hasattr(stream, 'reconfigure')):
         return
     try:
-        stream.reconfigure(errors='backslashreplace')
+        codecs.lookup_error(_ESCAPES)
+    except LookupError:
+        codecs.register_error(_ESCAPES, _escapes)
+    try:
+        stream.reconfigure(errors=_ESCAPES)
     except (ValueError, OSError, AttributeError):  # (a stream that cannot change it: it stays as it was)
         pass
 

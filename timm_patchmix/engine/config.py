@@ -462,8 +462,6 @@ class TrainConfig:
         if not self.model_ema and (self.model_ema_warmup or self.model_ema_decay != _FIELDS['model_ema_decay'].default):
             raise ConfigError(f'{"--model-ema-warmup" if self.model_ema_warmup else "--model-ema-decay"} sets the '
                               f'weight average of --model-ema, which is off; add --model-ema')
-        if not self.clip_grad and self.clip_mode != _FIELDS['clip_mode'].default:
-            raise ConfigError(self._clip_off('--clip-mode ' + self.clip_mode))
         if self.device_data and self.patchmix_collate:
             raise ConfigError('--device-data makes batches on the device, where PatchMix mixes them too; '
                               '--patchmix-collate mixes in the data loader, which --device-data replaces. '
@@ -495,6 +493,10 @@ class TrainConfig:
                  f'logits alone)', 'train a patchhead_ model'),
                 (self.no_patch_loss is False or self.patch_head is False, ('patch_loss_weight',),
                  'the weight of the patch loss', ', which --no-patch-loss switches off', 'drop --no-patch-loss'),
+                # (a note, not a refusal: a run's args.yaml from before may hold it, and -c reruns that run)
+                (bool(self.clip_grad), ('clip_mode',), 'how --clip-grad clips the gradients',
+                 f', which is off in this run ({"--clip-grad 0" if self.clip_grad == 0 else "no --clip-grad"})',
+                 'add --clip-grad'),
                 (self.mixup_active, ('mixup_prob', 'mixup_switch_prob', 'mixup_mode', 'mixup_off_epoch'),
                  'timm\'s Mixup/CutMix of --mixup/--cutmix', off, 'add --mixup or --cutmix'),
                 (self.holdout, ('holdout_seed',), 'the held-out images of --holdout', off, 'add --holdout F')):
@@ -623,13 +625,6 @@ class TrainConfig:
         if not self.model_ema and 'model_ema_decay' in given:
             raise ConfigError('--model-ema-decay sets the weight average of --model-ema, which is off; add '
                               '--model-ema')
-        if not self.clip_grad and 'clip_mode' in given:
-            raise ConfigError(self._clip_off('--clip-mode ' + self.clip_mode))
-
-    def _clip_off(self, flag: str) -> str:
-        return (f'{flag} sets how --clip-grad clips the gradients, which is off '
-                f'({"--clip-grad 0" if self.clip_grad == 0 else "no --clip-grad"}); add --clip-grad with a positive '
-                f'value')
 
     def augment_flags(self) -> Tuple[str, ...]:
         """The augmentation flags set to other than their defaults (``--no-aug`` aside)."""

@@ -134,43 +134,41 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         d = os.path.dirname(d)
     tmp = old = None
     try:
-        try:  # (a folder without write permission, a read-only file system: one error line)
+        # every write of the folder: one error line for a folder without write permission, a read-only file
+        # system, a full disk (timm's config writer, the table's copy...), a folder another program holds busy
+        try:
             os.makedirs(parent, exist_ok=True)
             clean_stale_temps(parent)
             tmp = temp_dir(folder)
+            save_weights(os.path.join(tmp, 'model.safetensors'), model.state_dict())
+            save_config_for_hf(model, os.path.join(tmp, 'config.json'), model_config=model_config,
+                               model_args=model_args, data_config=data_config)
+            with open(os.path.join(tmp, 'config.json'), encoding='utf-8') as f:
+                cfg = json.load(f)
+            cfg['model_args'].pop('num_classes', None)  # the root num_classes is the checkpoint's; a load may change it
+            for key in ('tag', 'origin_url'):  # they name the registered weights the architecture's cfg came from
+                cfg['pretrained_cfg'].pop(key, None)
+            atomic_write_text(os.path.join(tmp, 'config.json'), json.dumps(cfg, indent=2) + '\n')
+            if table_doc is not None:
+                shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
+            atomic_write_text(os.path.join(tmp, 'README.md'),
+                              _model_card(repo_id, arch, meta, metrics, table_doc, results, trained_on_table))
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a folder gets os.makedirs' mode
+            if os.path.lexists(folder):
+                old = temp_dir(folder)
+                os.replace(folder, os.path.join(old, SET_ASIDE))  # (a mount point, a busy folder: a WriteError)
+                try:
+                    os.replace(tmp, folder)
+                except BaseException:
+                    os.replace(os.path.join(old, SET_ASIDE), folder)  # put the existing folder back
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, folder)
+        except WriteError:
+            raise
         except OSError as e:
             raise WriteError(folder, e) from None
-        save_weights(os.path.join(tmp, 'model.safetensors'), model.state_dict())
-        save_config_for_hf(model, os.path.join(tmp, 'config.json'), model_config=model_config,
-                           model_args=model_args, data_config=data_config)
-        with open(os.path.join(tmp, 'config.json'), encoding='utf-8') as f:
-            cfg = json.load(f)
-        cfg['model_args'].pop('num_classes', None)  # the root num_classes is the checkpoint's; a load may change it
-        for key in ('tag', 'origin_url'):  # they name the registered weights the architecture's cfg came from
-            cfg['pretrained_cfg'].pop(key, None)
-        atomic_write_text(os.path.join(tmp, 'config.json'), json.dumps(cfg, indent=2) + '\n')
-        if table_doc is not None:
-            shutil.copyfile(table, os.path.join(tmp, 'masks.json'))
-        atomic_write_text(os.path.join(tmp, 'README.md'),
-                          _model_card(repo_id, arch, meta, metrics, table_doc, results, trained_on_table))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a folder gets os.makedirs' mode
-        if os.path.lexists(folder):
-            old = temp_dir(folder)
-            try:
-                os.replace(folder, os.path.join(old, SET_ASIDE))
-            except OSError as e:  # (a mount point, a folder another program holds busy: one error line)
-                raise WriteError(folder, e) from None
-            try:
-                os.replace(tmp, folder)
-            except BaseException:
-                os.replace(os.path.join(old, SET_ASIDE), folder)  # put the existing folder back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.replace(tmp, folder)
-            except OSError as e:
-                raise WriteError(folder, e) from None
     except BaseException:
         for t in (tmp, old):
             if t is not None and not os.path.lexists(os.path.join(t, SET_ASIDE)):  # never the folder being replaced
