@@ -1368,12 +1368,17 @@ def test_commands_print_non_ascii_paths_on_an_ascii_stdout(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=300,
                        env=dict(os.environ, LC_ALL='C', PYTHONUTF8='0', PYTHONIOENCODING=''))
     assert r.returncode == 0 and r.stdout == b'P\\xb2 \\xb1 caf\xc3\xa9\n', (r.stdout, r.stderr[-2000:])
-    # the helper itself: an ASCII stream learns the escapes; a UTF-8 one, or one given a handler, is left alone
+    # a strict UTF-8 stdout and a path with undecodable (Latin-1) bytes: the bytes are written back as read
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=300,
+                       env=dict(os.environ, PYTHONIOENCODING='utf-8'))
+    assert r.returncode == 0 and r.stdout == 'P\u00b2 \u00b1 caf'.encode() + b'\xc3\xa9\n', (r.stdout, r.stderr[-2000:])
+    # the helper itself: a strict or surrogateescape stream learns the escapes; one given a handler is left alone
     from timm_patchmix.cli import _ESCAPES
     old = sys.stdout
     try:
         for encoding, errors, want in (('ascii', 'strict', _ESCAPES), ('ascii', 'surrogateescape', _ESCAPES),
-                                       ('utf-8', 'strict', 'strict'), ('ascii', 'replace', 'replace')):
+                                       ('utf-8', 'strict', _ESCAPES), ('ascii', 'replace', 'replace'),
+                                       ('utf-8', 'backslashreplace', 'backslashreplace')):
             sys.stdout = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors=errors)
             tolerant_stdout()
             assert sys.stdout.errors == want

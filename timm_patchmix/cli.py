@@ -129,13 +129,12 @@ def tolerant_stdout() -> None:
     """Let standard output show what its encoding cannot (a path or class name with non-ASCII letters, the
     report's ``P²``) as backslash escapes, as Python's standard error does, instead of failing a finished command
     at its last line (``PYTHONIOENCODING=ascii``; a C locale with ``PYTHONUTF8=0``, whose ``surrogateescape``
-    handler still writes back the bytes of undecodable paths). A UTF-8 stream, or one given another handler, is
-    left as it is. Every command line calls it first."""
+    handler still writes back the bytes of undecodable paths), and the bytes of such a path as they were read on
+    any stream, a strict UTF-8 one too (``PYTHONIOENCODING=utf-8``, a path with Latin-1 bytes). A stream given
+    another handler is left as it is. Every command line calls it first."""
     import codecs
     stream = sys.stdout
-    encoding = (getattr(stream, 'encoding', None) or '').lower().replace('-', '').replace('_', '')
-    if (encoding == 'utf8' or getattr(stream, 'errors', None) not in ('strict', 'surrogateescape')
-            or not hasattr(stream, 'reconfigure')):
+    if getattr(stream, 'errors', None) not in ('strict', 'surrogateescape') or not hasattr(stream, 'reconfigure'):
         return
     try:
         codecs.lookup_error(_ESCAPES)
