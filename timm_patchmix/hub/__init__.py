@@ -75,7 +75,8 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
     given = table
     table = table or trained_with
     data = meta.get('data') or {}
-    table_doc = None
+    recorded = (meta.get('patchmix') or {}).get('table_sha256')  # (recorded since the table's path may move)
+    table_doc = table_sha = None
     if table:
         if not os.path.isfile(table):
             if given:
@@ -85,8 +86,8 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
             raise CheckpointError(f'{checkpoint} trained with the mask table {table}, which is not there; pass '
                                   f'--table with its path')
         _check_destination(checkpoint, folder, table)
-        recorded = (meta.get('patchmix') or {}).get('table_sha256')
-        if not given and recorded and file_record(table)['sha256'] != recorded:
+        table_sha = file_record(table)['sha256']
+        if not given and recorded and table_sha != recorded:
             # (a path recorded relative to the training's working folder can name another table from here)
             raise CheckpointError(f'{checkpoint} trained with the mask table {table}, and the file there now holds '
                                   f'another table (its SHA-256 differs from the one recorded); pass --table with the '
@@ -108,11 +109,11 @@ def export_folder(checkpoint: str, folder: str, repo_id: Optional[str] = None, t
         with open(table, encoding='utf-8') as f:
             table_doc = json.load(f)
     # a table given with --table is the one the model trained on only where it has the recorded table's content
-    digest = (meta.get('patchmix') or {}).get('table_sha256')  # (recorded since the table's path may move)
+    digest = recorded
     if not digest and trained_with and os.path.isfile(trained_with):  # an older checkpoint: its table's content
-        digest = file_record(trained_with)['sha256']
+        digest = table_sha if table == trained_with else file_record(trained_with)['sha256']
     trained_on_table = bool(trained_with) and table_doc is not None and (
-        file_record(table)['sha256'] == digest if digest else table == trained_with)
+        table_sha == digest if digest else table == trained_with)
     kwargs = dict(meta.get('model_kwargs') or {})
     model_args = dict(kwargs, grid=list(model.grid), per_position=bool(model.patch_head.per_position))
     data_config = channel_matched({k: data[k] for k in DATA_CONFIG_KEYS if data.get(k)})
